@@ -1,0 +1,144 @@
+"""Find one call expression inside a function's source and build a twin of that function in
+which only that call goes somewhere else.
+
+Why an AST rewrite: the call to replace is ``torch.matmul(...)`` in the middle of a 100-line
+``backward``. Wrapping ``backward`` cannot reach it, and swapping ``torch`` (or ``torch.matmul``)
+in megatron's namespace would change every other matmul of the module. Rewriting one node of
+the parsed function, compiling it against the module's own globals with its original file name
+and line numbers, changes that one call and nothing else: every other statement is the same
+bytecode reading the same live globals, tracebacks point to megatron's own file and lines, and
+the replacement reaches the dispatcher through a closure cell, so no name is added to
+megatron's module.
+"""
+
+from __future__ import annotations
+import __future__
+
+import ast
+import copy
+import hashlib
+import inspect
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+
+FACTORY = "__gemm_patch_factory__"
+
+
+class CallSiteError(Exception):
+    """The target function cannot be analysed or rewritten; the message is the skip reason."""
+
+
+@dataclass
+class AnalysedFunction:
+    module: types.ModuleType
+    funcdef: ast.FunctionDef
+    fingerprint: str
+    matches: list[ast.Call]
+
+
+def fingerprint(funcdef: ast.AST) -> str:
+    """A digest of the function's AST: stable across formatting and comments, changed by any
+    edit to code or decorators."""
+    dump = ast.dump(funcdef, annotate_fields=True, include_attributes=False)
+    return hashlib.sha256(dump.encode()).hexdigest()[:16]
+
+
+def analyse(module: types.ModuleType, owner: str, attribute: str, call: str) -> AnalysedFunction:
+    """Parse ``owner.attribute`` out of the module's source and find every ``call`` in it."""
+    try:
+        source = inspect.getsource(module)
+    except (OSError, TypeError) as exc:
+        raise CallSiteError(
+            f"no source for {module.__name__} ({exc}); a bytecode-only install cannot be "
+            "checked, so it is left untouched"
+        ) from None
+    tree = ast.parse(source)
+    funcdef = _find_method(tree, owner, attribute)
+    if funcdef is None:
+        raise CallSiteError(f"{module.__name__} has no {owner}.{attribute}")
+    template = ast.dump(ast.parse(call, mode="eval").body)
+    matches = [
+        node.value
+        for node in ast.walk(funcdef)
+        if isinstance(node, ast.Expr) and ast.dump(node.value) == template
+    ]
+    return AnalysedFunction(module, funcdef, fingerprint(funcdef), matches)
+
+
+def _find_method(tree: ast.Module, owner: str, attribute: str) -> ast.FunctionDef | None:
+    for cls in tree.body:
+        if isinstance(cls, ast.ClassDef) and cls.name == owner:
+            for node in cls.body:
+                if isinstance(node, ast.FunctionDef) and node.name == attribute:
+                    return node
+    return None
+
+
+def _refuse_unportable(funcdef: ast.FunctionDef) -> None:
+    # A method compiled outside its class body loses name mangling and the __class__ cell.
+    for node in ast.walk(funcdef):
+        name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+        if name in ("super", "__class__") or (name.startswith("__") and not name.endswith("__")):
+            raise CallSiteError(f"{funcdef.name} uses {name!r}, which cannot be recompiled outside its class")
+
+
+class _RedirectCall(ast.NodeTransformer):
+    def __init__(self, targets: list[ast.Call], new_name: str, extra_keywords: dict[str, str]):
+        self.targets = {ast.dump(t, include_attributes=True) for t in targets}
+        self.new_name = new_name
+        self.extra_keywords = extra_keywords
+
+    def visit_Call(self, node: ast.Call) -> ast.AST:
+        self.generic_visit(node)
+        if ast.dump(node, include_attributes=True) not in self.targets:
+            return node
+        extra = [
+            ast.keyword(arg=k, value=ast.Name(id=v, ctx=ast.Load()))
+            for k, v in self.extra_keywords.items()
+        ]
+        new = ast.Call(
+            func=ast.Name(id=self.new_name, ctx=ast.Load()),
+            args=node.args,
+            keywords=node.keywords + extra,
+        )
+        return ast.copy_location(new, node)
+
+
+def build_twin(
+    analysed: AnalysedFunction,
+    qualname: str,
+    replacement: Callable,
+    replacement_name: str = "_gemm_patch_wgrad",
+    extra_keywords: dict[str, str] | None = None,
+):
+    """The decorated twin of the analysed function with each matched call sent to
+    ``replacement``; returns what the class body's ``def`` would have bound (for a
+    ``@staticmethod`` that is the staticmethod object)."""
+    funcdef = copy.deepcopy(analysed.funcdef)
+    _refuse_unportable(funcdef)
+    funcdef = _RedirectCall(analysed.matches, replacement_name, extra_keywords or {}).visit(funcdef)
+    decorators, funcdef.decorator_list = funcdef.decorator_list, []
+
+    factory = ast.parse(f"def {FACTORY}({replacement_name}):\n    pass\n").body[0]
+    factory.body = [funcdef, ast.Return(value=ast.Name(id=funcdef.name, ctx=ast.Load()))]
+    tree = ast.fix_missing_locations(ast.Module(body=[factory], type_ignores=[]))
+
+    module = analysed.module
+    filename = getattr(module, "__file__", None) or f"<{module.__name__}>"
+    flags = 0
+    if module.__dict__.get("annotations") is __future__.annotations:
+        flags |= __future__.annotations.compiler_flag
+    code = compile(tree, filename, "exec", flags=flags, dont_inherit=True)
+    namespace: dict = {}
+    # Globals are the module's own dict (live lookups of torch, HAVE_TE, ...); the factory
+    # lands in ``namespace``, so the module gains no name.
+    exec(code, module.__dict__, namespace)
+    function = namespace[FACTORY](replacement)
+    function.__qualname__ = qualname
+
+    decorated = function
+    for decorator in reversed(decorators):
+        expression = ast.fix_missing_locations(ast.Expression(body=decorator))
+        decorated = eval(compile(expression, filename, "eval", dont_inherit=True), module.__dict__)(decorated)
+    return decorated

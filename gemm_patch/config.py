@@ -1,0 +1,79 @@
+"""Environment-variable configuration: parsed once, validated with messages that name the fix.
+
+Every variable is read here and nowhere else, so the order of precedence lives in one place.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+BACKEND_CHOICES = ("auto", "te", "native", "fallback")
+LOG_LEVEL_CHOICES = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+class ConfigError(ValueError):
+    """An environment variable holds a value gemm_patch does not accept."""
+
+
+@dataclass(frozen=True)
+class Config:
+    enabled: bool = True
+    strict: bool = False
+    backend: str = "auto"
+    log_level: str = "INFO"
+    apex_shim: bool = True
+    auto: bool = False
+
+
+def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ConfigError(
+        f"{name}={raw!r} is not accepted; use one of {', '.join(_TRUE + _FALSE)} "
+        f"(unset means {'1' if default else '0'})"
+    )
+
+
+def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...], default: str,
+            normalise=str.lower) -> str:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    value = normalise(raw.strip())
+    if value not in choices:
+        raise ConfigError(
+            f"{name}={raw!r} is not accepted; use one of {', '.join(choices)} (unset means {default})"
+        )
+    return value
+
+
+def strict_requested(env: Mapping[str, str] | None = None) -> bool:
+    """Strict mode, read on its own so a bad value elsewhere can still be judged strictly."""
+    env = os.environ if env is None else env
+    try:
+        return _flag(env, "GEMM_PATCH_STRICT", False)
+    except ConfigError:
+        return False
+
+
+def load(env: Mapping[str, str] | None = None) -> Config:
+    """Read every GEMM_PATCH_* variable; raise ConfigError naming the first bad one."""
+    env = os.environ if env is None else env
+    return Config(
+        enabled=_flag(env, "GEMM_PATCH", True),
+        strict=_flag(env, "GEMM_PATCH_STRICT", False),
+        backend=_choice(env, "GEMM_PATCH_BACKEND", BACKEND_CHOICES, "auto"),
+        log_level=_choice(env, "GEMM_PATCH_LOG_LEVEL", LOG_LEVEL_CHOICES, "INFO", str.upper),
+        apex_shim=_flag(env, "GEMM_PATCH_APEX", True),
+        auto=_flag(env, "GEMM_PATCH_AUTO", False),
+    )

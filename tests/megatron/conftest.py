@@ -1,0 +1,58 @@
+"""Runs under one megatron-core release at a time (compat/run.py puts it on PYTHONPATH and
+sets GEMM_PATCH_EXPECT to the target state compat/matrix.json expects for it)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+layers = pytest.importorskip("megatron.core.tensor_parallel.layers")
+
+import gemm_patch  # noqa: E402
+
+EXPECT = os.environ.get("GEMM_PATCH_EXPECT", "verified")
+APPLICABLE = EXPECT != "not applicable"
+DTYPE_ERROR = "Expected out tensor to have dtype"
+
+
+def fsdp_weight(out_features: int, in_features: int, main_dtype, seed: int = 0):
+    """A weight honouring Megatron-FSDP's parameter contract as the layer sees it: the
+    ``__fsdp_param__`` marker and ``get_main_grad()`` returning the gradient buffer (here
+    NaN-poisoned, so a partial write shows)."""
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.nn.Parameter(torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16))
+    buffer = torch.full((out_features, in_features), float("nan"), dtype=main_dtype)
+    weight.__fsdp_param__ = True
+    weight.main_grad = buffer
+    weight.get_main_grad = lambda: buffer
+    return weight, buffer
+
+
+def run_layer(main_dtype, tokens: int = 96, in_features: int = 64, out_features: int = 80, seed: int = 0):
+    """Forward + backward through megatron's own fused-wgrad autograd function."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(tokens, in_features, generator=gen).to(torch.bfloat16).requires_grad_()
+    weight, buffer = fsdp_weight(out_features, in_features, main_dtype, seed)
+    y = layers.linear_with_grad_accumulation_and_async_allreduce(
+        x, weight, None, gradient_accumulation_fusion=True, allreduce_dgrad=False,
+        sequence_parallel=False,
+    )
+    grad_out = torch.randn(y.shape, generator=gen).to(torch.bfloat16)
+    y.backward(grad_out)
+    reference = grad_out.double().t() @ x.detach().double()
+    return {"y": y.detach(), "dgrad": x.grad, "main_grad": buffer, "reference": reference}
+
+
+@pytest.fixture
+def unpatched():
+    gemm_patch.revert()
+    yield
+    gemm_patch.apply()
+
+
+@pytest.fixture
+def patched():
+    gemm_patch.apply()
+    yield

@@ -1,0 +1,172 @@
+"""The fsdp-wgrad target against the real megatron-core release on PYTHONPATH."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+from conftest import APPLICABLE, DTYPE_ERROR, EXPECT, layers, run_layer, torch
+
+import gemm_patch
+
+FUNCTION = layers.LinearWithGradAccumulationAndAsyncCommunication
+needs_call_site = pytest.mark.skipif(not APPLICABLE, reason="release has no such call site")
+
+
+def target_state():
+    return {t.name: t for t in gemm_patch.status().targets}["fsdp-wgrad"]
+
+
+def test_state_is_what_the_matrix_expects(patched):
+    st = target_state()
+    assert st.state == EXPECT, st.reason
+    assert st.version is not None
+
+
+@needs_call_site
+def test_unpatched_crashes_with_the_dtype_error(unpatched):
+    with pytest.raises(RuntimeError, match=DTYPE_ERROR):
+        run_layer(torch.float32)
+
+
+@needs_call_site
+def test_patched_fp32_main_grad_matches_fp64_and_is_fully_written(patched):
+    out = run_layer(torch.float32)
+    main_grad = out["main_grad"]
+    assert main_grad.dtype == torch.float32
+    assert not torch.isnan(main_grad).any(), "main_grad not fully written"
+    rel = ((main_grad.double() - out["reference"]).norm() / out["reference"].norm()).item()
+    assert rel < 1e-6, rel
+
+
+@needs_call_site
+def test_forward_and_dgrad_bitwise_equal_to_unpatched():
+    gemm_patch.revert()
+    ref = run_layer(torch.bfloat16)
+    gemm_patch.apply()
+    for main_dtype in (torch.bfloat16, torch.float32):
+        got = run_layer(main_dtype)
+        assert torch.equal(got["y"], ref["y"])
+        assert torch.equal(got["dgrad"], ref["dgrad"])
+
+
+@needs_call_site
+def test_bf16_main_grad_bitwise_equal_to_unpatched():
+    gemm_patch.revert()
+    ref = run_layer(torch.bfloat16)["main_grad"]
+    gemm_patch.apply()
+    got = run_layer(torch.bfloat16)["main_grad"]
+    assert torch.equal(got, ref)
+
+
+def test_revert_restores_the_original_object_and_the_crash():
+    gemm_patch.revert()
+    original = vars(FUNCTION)["backward"]
+    gemm_patch.apply()
+    patched_obj = vars(FUNCTION)["backward"]
+    if APPLICABLE:
+        assert patched_obj is not original
+        assert patched_obj.__wrapped__ is original
+    else:
+        assert patched_obj is original
+    gemm_patch.revert()
+    assert vars(FUNCTION)["backward"] is original
+    if APPLICABLE:
+        with pytest.raises(RuntimeError, match=DTYPE_ERROR):
+            run_layer(torch.float32)
+    gemm_patch.apply()
+
+
+def test_apply_twice_is_a_no_op(patched):
+    first = vars(FUNCTION)["backward"]
+    gemm_patch.apply()
+    assert vars(FUNCTION)["backward"] is first
+
+
+def test_module_namespace_is_untouched():
+    gemm_patch.revert()
+    before = dict(vars(layers))
+    gemm_patch.apply()
+    after = dict(vars(layers))
+    assert after.keys() == before.keys()
+    changed = [k for k in before if after[k] is not before[k]]
+    assert changed == []
+    others = {k: v for k, v in vars(FUNCTION).items() if k != "backward"}
+    gemm_patch.revert()
+    assert {k: v for k, v in vars(FUNCTION).items() if k != "backward"} == others
+    gemm_patch.apply()
+
+
+def test_concurrent_apply_and_revert_leave_a_consistent_state():
+    gemm_patch.revert()
+    original = vars(FUNCTION)["backward"]
+    barrier = threading.Barrier(8)
+
+    def worker(i):
+        barrier.wait()
+        for _ in range(20):
+            (gemm_patch.apply if i % 2 else gemm_patch.revert)()
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    gemm_patch.revert()
+    assert vars(FUNCTION)["backward"] is original
+    gemm_patch.apply()
+    current = vars(FUNCTION)["backward"]
+    assert (current.__wrapped__ is original) if APPLICABLE else (current is original)
+
+
+@needs_call_site
+@pytest.mark.parametrize("order", ["gemm_patch_first", "megatron_first"])
+def test_import_order_does_not_matter(order):
+    imports = ["import gemm_patch", "import megatron.core.tensor_parallel.layers as L"]
+    if order == "megatron_first":
+        imports.reverse()
+    code = "; ".join(imports + [
+        "import sys",
+        "st = {t.name: t.state for t in gemm_patch.status().targets}",
+        "print(st['fsdp-wgrad'], 'torch' in sys.modules)",
+    ])
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == [EXPECT, "True"], out.stderr
+
+
+def test_import_gemm_patch_alone_imports_no_framework():
+    code = ("import sys, gemm_patch; "
+            "print(sorted(m for m in ('torch', 'megatron', 'transformer_engine') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+# Pretend the installed release is unknown by emptying the fingerprint table; the code that
+# runs is the real release's.
+_UNKNOWN_RELEASE = """
+import dataclasses, gemm_patch.targets as t, gemm_patch.patcher as p
+t.TARGETS = p.TARGETS = tuple(dataclasses.replace(x, fingerprints={}) for x in t.TARGETS)
+import gemm_patch
+try:
+    import megatron.core.tensor_parallel.layers
+except gemm_patch.GemmPatchError as exc:
+    print("refused:", exc)
+print(gemm_patch.status().targets[0].state)
+"""
+
+
+@needs_call_site
+@pytest.mark.parametrize("strict", ["1", "0"])
+def test_unverified_release_is_patched_with_a_warning_or_refused_in_strict_mode(strict):
+    env = {**os.environ, "GEMM_PATCH_STRICT": strict}
+    out = subprocess.run([sys.executable, "-c", _UNKNOWN_RELEASE], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    if strict == "1":
+        assert "refused:" in out.stdout and "not a verified release" in out.stdout, out.stdout
+        assert out.stdout.split()[-1] != "unverified"
+    else:
+        assert out.stdout.split()[-1] == "unverified", out.stdout
+        assert out.stderr.count("patched but unverified") == 1, out.stderr

@@ -55,6 +55,19 @@ class Undo:
         self.steps.clear()
 
 
+def public_version(version: str | None) -> str:
+    """``0.18.2+e1a6d4d`` -> ``0.18.2``: megatron-core >= 0.18 appends the git hash of any
+    checkout it sits in; the fingerprint, not the suffix, decides whether the code is known."""
+    if not version:
+        return ""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(version).public
+    except InvalidVersion:
+        return version
+
+
 class UnverifiedRefused(Exception):
     """Raised under strict mode instead of patching an unverified call site."""
 
@@ -88,7 +101,7 @@ class CallSiteTarget:
         fp = analysed.fingerprint
         if not analysed.matches:
             return status(NOT_APPLICABLE, f"no `{self.call}` in {where}", fp), Undo()
-        known = self.fingerprints.get(version or "")
+        known = self.fingerprints.get(public_version(version))
         if known == fp:
             state, reason = VERIFIED, f"{where}: call site matches release {version}"
         else:

@@ -1,0 +1,110 @@
+"""WgradDispatcher on the CPU: semantics, backend hand-over, forcing."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from gemm_patch.backends import Backend, ExactFallbackBackend, all_backends
+from gemm_patch.dispatcher import WgradDispatcher
+
+
+def operands(m=24, k=40, n=16, dtype=torch.bfloat16, out_dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    grad_output = torch.randn(k, m, generator=gen).to(dtype)
+    total_input = torch.randn(k, n, generator=gen).to(dtype)
+    out = torch.full((m, n), float("nan"), dtype=out_dtype)
+    return grad_output.t(), total_input, out
+
+
+def reference(a, b):
+    return a.double() @ b.double()
+
+
+def rel(x, ref):
+    return ((x.double() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float16])
+def test_overwrite_into_fp32_is_exact_and_complete(in_dtype):
+    a, b, out = operands(dtype=in_dtype)
+    WgradDispatcher().gemm(a, b, out, accumulate=False)
+    assert not out.isnan().any()
+    assert rel(out, reference(a, b)) < 1e-6
+
+
+def test_accumulate_adds_in_place():
+    a, b, out = operands()
+    out.fill_(1.0)
+    WgradDispatcher().gemm(a, b, out, accumulate=True)
+    assert rel(out, reference(a, b) + 1.0) < 1e-6
+
+
+def test_same_dtype_keeps_torch_matmul_bitwise():
+    a, b, out = operands(out_dtype=torch.bfloat16)
+    WgradDispatcher().gemm(a, b, out, accumulate=False)
+    assert torch.equal(out, torch.matmul(a, b))
+
+
+def test_bf16_into_fp16_uses_the_exact_fallback():
+    a, b, out = operands(out_dtype=torch.float16)
+    d = WgradDispatcher()
+    assert d.plan_for(a, b, out) == ("fallback",)
+    d.gemm(a, b, out, accumulate=False)
+    assert torch.equal(out, reference(a, b).float().half())
+
+
+class RaisingBackend(Backend):
+    """Fault injection: a backend that claims everything and fails at call time."""
+
+    name = "te"
+
+    def __init__(self):
+        self.calls = 0
+
+    def supports(self, a, b, out):
+        return True
+
+    def gemm(self, a, b, out, accumulate):
+        self.calls += 1
+        raise RuntimeError("injected failure")
+
+
+def test_failing_backend_hands_over_once_and_the_gradient_is_written(caplog):
+    failing = RaisingBackend()
+    d = WgradDispatcher(backends={"te": failing, "fallback": ExactFallbackBackend()})
+    with caplog.at_level(logging.WARNING, logger="gemm_patch"):
+        for seed in range(3):
+            a, b, out = operands(seed=seed)
+            d.gemm(a, b, out, accumulate=False)
+            assert rel(out, reference(a, b)) < 1e-6
+    assert failing.calls == 1, "a demoted backend must not be retried for the same dtypes"
+    warnings = [r for r in caplog.records if "injected failure" in r.getMessage()]
+    assert len(warnings) == 1
+    assert d.describe()["demoted"] == ["te for cpu float32 = bfloat16 x bfloat16"]
+
+
+def test_shape_errors_are_raised_not_swallowed():
+    failing = RaisingBackend()
+    d = WgradDispatcher(backends={"te": failing, "fallback": ExactFallbackBackend()})
+    a, b, _ = operands()
+    with pytest.raises(RuntimeError):
+        d.gemm(a, b, torch.empty(3, 3), accumulate=False)
+    assert d.describe()["demoted"] == []
+
+
+def test_forced_backend_order_keeps_the_fallback_last():
+    assert WgradDispatcher("native").order == ("native", "fallback")
+    assert WgradDispatcher("fallback").order == ("fallback",)
+    assert WgradDispatcher().order == tuple(all_backends())
+
+
+def test_unavailable_forced_backend_warns_and_falls_back(caplog):
+    a, b, out = operands()
+    d = WgradDispatcher("native")
+    with caplog.at_level(logging.WARNING, logger="gemm_patch"):
+        d.gemm(a, b, out, accumulate=False)
+    assert rel(out, reference(a, b)) < 1e-6
+    assert any("GEMM_PATCH_BACKEND=native cannot be used" in r.getMessage() for r in caplog.records)

@@ -30,9 +30,8 @@ def main(out: io.TextIOBase = sys.stdout) -> int:
     import gemm_patch
 
     try:
-        import torch
-
         import megatron.core.tensor_parallel.layers as layers
+        import torch
     except ImportError as exc:
         print(f"demo needs torch and megatron-core importable: {exc}", file=out)
         return 2

@@ -37,10 +37,31 @@ class AnalysedFunction:
     matches: list[ast.Call]
 
 
-def fingerprint(funcdef: ast.AST) -> str:
-    """A digest of the function's AST: stable across formatting and comments, changed by any
-    edit to code or decorators."""
-    dump = ast.dump(funcdef, annotate_fields=True, include_attributes=False)
+# Fields whose presence depends on the Python version, not on the code (3.12 added
+# ``type_params``; 3.13's ast.dump hides empty fields): left out so a fingerprint taken on one
+# Python matches the same source parsed by another.
+_VERSION_DEPENDENT_FIELDS = frozenset({"type_params", "type_comment"})
+
+
+def canonical_dump(node: object) -> str:
+    """``ast.dump`` without positions and without empty or version-dependent fields."""
+    if isinstance(node, ast.AST):
+        fields = []
+        for name in node._fields:
+            value = getattr(node, name, None)
+            if name in _VERSION_DEPENDENT_FIELDS or value is None or value == []:
+                continue
+            fields.append(f"{name}={canonical_dump(value)}")
+        return f"{type(node).__name__}({', '.join(fields)})"
+    if isinstance(node, list):
+        return "[" + ", ".join(canonical_dump(item) for item in node) + "]"
+    return repr(node)
+
+
+def fingerprint(*nodes: ast.AST | None) -> str:
+    """A digest of AST nodes: stable across formatting, comments and Python versions (3.10+),
+    changed by any edit to code or decorators."""
+    dump = "\n".join(canonical_dump(node) for node in nodes if node is not None)
     return hashlib.sha256(dump.encode()).hexdigest()[:16]
 
 

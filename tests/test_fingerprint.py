@@ -29,7 +29,22 @@ PROBE = (
     "cs = importlib.util.module_from_spec(spec); sys.modules['cs'] = cs; spec.loader.exec_module(cs)\n"
     "print(cs.fingerprint(ast.parse(sys.stdin.read()).body[0].body[0]))\n"
 )
-OTHER_PYTHONS = [p for v in ("3.10", "3.12", "3.13") if (p := shutil.which(f"python{v}"))]
+
+
+def _other_pythons() -> list[str]:
+    """CPython 3.10/3.12/3.13 interpreters that actually run (pyenv shims may not)."""
+    candidates = [str(p) for p in sorted(Path.home().glob(".pyenv/versions/3.1[0-3]*/bin/python"))]
+    candidates += [p for v in ("3.10", "3.12", "3.13") if (p := shutil.which(f"python{v}"))]
+    found: dict[str, str] = {}
+    for exe in candidates:
+        probe = subprocess.run([exe, "-c", "import sys; print(sys.version_info[:2])"], capture_output=True, text=True)
+        version = probe.stdout.strip()
+        if probe.returncode == 0 and version != str(sys.version_info[:2]) and version not in found:
+            found[version] = exe
+    return list(found.values())
+
+
+OTHER_PYTHONS = _other_pythons()
 
 
 def test_formatting_and_comments_do_not_count_but_code_does():

@@ -35,8 +35,10 @@ class WgradDispatcher:
     # -- megatron-facing entry points -------------------------------------------------------
 
     def fsdp_wgrad(self, a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor, param=None):
-        """Stands in for ``torch.matmul(grad_output.t(), total_input, out=weight.main_grad)``."""
-        self.gemm(a, b, out, accumulate=False)
+        """Stands in for ``torch.matmul(grad_output.t(), total_input, out=weight.main_grad)``,
+        but accumulates (``out += a @ b``) where ``out`` is Megatron-FSDP's persistent
+        gradient buffer: overwriting it would keep only the last micro-batch's gradient."""
+        self.gemm(a, b, out, accumulate=param is not None and main_grad_is_persistent(param))
         return out
 
     # -- the dispatch itself ----------------------------------------------------------------
@@ -108,6 +110,24 @@ class WgradDispatcher:
                             if (r := self.backends[n].unavailable_reason()) is not None},
             "demoted": sorted(f"{n} for {_describe(k)}" for n, k in self._demoted),
         }
+
+
+def main_grad_is_persistent(param) -> bool:
+    """Whether ``param.get_main_grad()`` returns Megatron-FSDP's persistent gradient buffer
+    (which holds the sum over the step's micro-batches, so a weight gradient must be added to
+    it) rather than a communication bucket allocated for this backward and reduced before the
+    next one (which must be overwritten: it is not zeroed and holds stale data).
+
+    Megatron-FSDP (megatron-core 0.14-0.19) sets ``param._gbuf`` to the parameter's gradient
+    buffer; its ``main_grad_getter`` calls ``_gbuf.fetch_bucket()``, which returns a view of the
+    buffer's own storage exactly when ``not _gbuf.is_data_distributed`` (``no_shard``/``optim``,
+    or any strategy on a single data-parallel rank), and a temporary bucket otherwise. Without
+    ``_gbuf`` it is not Megatron-FSDP's buffer: keep the overwrite of the call this replaces.
+    """
+    gbuf = getattr(param, "_gbuf", None)
+    if gbuf is None:
+        return False
+    return not getattr(gbuf, "is_data_distributed", True)
 
 
 def _shapes_match(a, b, out) -> bool:

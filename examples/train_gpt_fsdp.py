@@ -1,0 +1,608 @@
+#!/usr/bin/env python
+"""Train a small GPT with megatron-core only: Megatron-FSDP, TE layers, fp32 main grads and
+gradient-accumulation fusion (issue 4). Runs under torchrun on 1 or more GPUs.
+
+    torchrun --nproc-per-node 1 examples/train_gpt_fsdp.py --out run.json       # unpatched
+    gemm-patch run -- torchrun --nproc-per-node 2 examples/train_gpt_fsdp.py --out run.json
+
+Unpatched, ``--fusion on --main-grads-dtype fp32`` fails (no apex: ColumnParallelLinear refuses
+gradient_accumulation_fusion; with an apex stand-in: the output layer's
+``torch.matmul(..., out=<fp32 main_grad>)`` dtype error). Nothing here catches it.
+
+How the loop is wired (megatron-core 0.17.1; the same calls as Megatron-LM's pretrain loop):
+  * model: GPTModel with ``get_gpt_layer_with_transformer_engine_spec()`` (every block a TE
+    layer; the vocabulary projection is megatron-core's ColumnParallelLinear, the patched
+    call site), wrapped in Float16Module (bf16) then ``FullyShardedDataParallel`` (the mcore
+    adapter around MegatronFSDP; FSDP units = TransformerLayer for optim_grads_params).
+  * optimizer: ``get_megatron_optimizer`` with ``use_distributed_optimizer=True``, which for
+    Megatron-FSDP is the DistributedOptimizer over the FSDP DTensor parameters (TE FusedAdam
+    inside); its ``step()`` copies main weights into the model weights
+    (copy_main_weights_to_model_weights, i.e. what install_optimized_model_weights() does) and
+    calls ``start_param_sync()``.
+  * schedule: ``get_forward_backward_func()`` (forward_backward_no_pipelining for PP=1).
+  * config hooks: ``finalize_model_grads_func = finalize_model_grads`` (calls
+    finish_grad_sync: waits for the reduce-scatter / all-reduce and attaches the reduced
+    grads to the optimizer's DTensor params), ``no_sync_func = model.no_sync`` (Megatron-FSDP
+    keys ``is_last_microbatch`` off it, which decides when no_shard all-reduces),
+    ``grad_sync_func = model.start_grad_sync``, ``param_sync_func = model.start_param_sync``,
+    ``grad_scale_func = optimizer.scale_loss``. The no-pipelining schedule reads only
+    no_sync_func, finalize_model_grads_func and grad_scale_func; grad/param_sync_func are set as
+    Megatron-LM sets them and are consulted only by the pipelined schedules.
+  * each step: ``model.zero_grad_buffer()``, ``optimizer.zero_grad()``, forward_backward,
+    ``optimizer.step()``.
+
+``--plan FILE`` runs several configurations one after another in this process (each with
+its own model, optimizer and seeds), which saves the start-up cost per configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+RUN_KEYS = ("name", "fusion", "main_grads_dtype", "sharding", "steps", "micro_batches", "layers",
+            "hidden", "seq", "vocab", "micro_batch_size", "seed", "lr", "grad_dump", "wgrad_rule",
+            "te_overwrite_fix")
+
+# Weights whose gradient is written by a fused wgrad GEMM straight into main_grad when
+# gradient_accumulation_fusion is on: TE's linear layers, and megatron's ColumnParallelLinear
+# output layer (the call site gemm_patch rewrites). Everything else goes through param.grad.
+TE_FUSED_SUFFIXES = (".linear_qkv.weight", ".linear_proj.weight", ".linear_fc1.weight",
+                     ".linear_fc2.weight")
+MEGATRON_FUSED_SUFFIXES = ("output_layer.weight",)
+
+
+def param_kind(name: str) -> str:
+    """'megatron-fused', 'te-fused' or 'not-fused' for a parameter name of this model."""
+    if name.endswith(MEGATRON_FUSED_SUFFIXES):
+        return "megatron-fused"
+    if name.endswith(TE_FUSED_SUFFIXES):
+        return "te-fused"
+    return "not-fused"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--name", default=None, help="label of the run in the JSON (default: from the flags)")
+    p.add_argument("--fusion", choices=("on", "off"), default="on",
+                   help="gradient_accumulation_fusion (TE fuse_wgrad_accumulation + megatron's fused wgrad)")
+    p.add_argument("--main-grads-dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="Megatron-FSDP main gradient buffer and gradient communication dtype")
+    p.add_argument("--sharding", choices=("optim_grads_params", "no_shard"), default="optim_grads_params")
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step and rank")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--vocab", type=int, default=32768)
+    p.add_argument("--micro-batch-size", type=int, default=2)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup-steps", type=int, default=2, help="steps left out of the medians")
+    p.add_argument("--out", default="results.json", help="JSON written by rank 0")
+    p.add_argument("--grad-dump", default=None,
+                   help="after step 1's backward and finalize_model_grads, before the optimizer step: "
+                        "torch.save each parameter's full reduced gradient (fp32, CPU) here (rank 0)")
+    p.add_argument("--wgrad-rule", choices=("auto", "overwrite", "accumulate"), default="auto",
+                   help="diagnostics, needs gemm_patch: force the fused output-layer wgrad to overwrite "
+                        "(the pre-fix behaviour) or accumulate instead of gemm_patch's rule")
+    p.add_argument("--te-overwrite-fix", action="store_true",
+                   help="diagnostics: after Megatron-FSDP sets overwrite_main_grad=True on unshard, reset "
+                        "it to False where main_grad is the persistent buffer (the proposed TE-layer fix)")
+    p.add_argument("--plan", default=None,
+                   help="JSON list of runs, each a dict of the flags above (dest names) overriding the "
+                        "command line; all run in this process, one after another")
+    p.add_argument("--require-patch", action="store_true",
+                   help="fail at once unless gemm_patch is imported and its fsdp-wgrad target is patched")
+    return p.parse_args(argv)
+
+
+def expand_plan(args: argparse.Namespace) -> list[dict[str, Any]]:
+    base = {k: getattr(args, k) for k in RUN_KEYS}
+    overrides = json.loads(Path(args.plan).read_text()) if args.plan else [{}]
+    runs = []
+    for i, override in enumerate(overrides):
+        unknown = set(override) - set(RUN_KEYS)
+        if unknown:
+            raise SystemExit(f"--plan entry {i}: unknown keys {sorted(unknown)}; known: {RUN_KEYS}")
+        run = {**base, **override}
+        if not run["name"]:
+            run["name"] = f"fusion-{run['fusion']}_{run['main_grads_dtype']}_{run['sharding']}"
+        runs.append(run)
+    return runs
+
+
+# -- configuration ------------------------------------------------------------------------------
+
+def build_configs(run: dict[str, Any]):
+    """TransformerConfig, DistributedDataParallelConfig and OptimizerConfig for one run
+    (no GPU needed: checked on the CPU by tests of this example)."""
+    import torch
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    fp32_grads = run["main_grads_dtype"] == "fp32"
+    hidden = run["hidden"]
+    tconfig = TransformerConfig(
+        num_layers=run["layers"],
+        hidden_size=hidden,
+        num_attention_heads=max(1, hidden // 64),
+        ffn_hidden_size=4 * hidden,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        pipeline_dtype=torch.bfloat16,
+        gradient_accumulation_fusion=run["fusion"] == "on",
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=0.02,
+    )
+    ddp_config = DistributedDataParallelConfig(
+        use_megatron_fsdp=True,
+        data_parallel_sharding_strategy=run["sharding"],
+        # Megatron-LM requires the distributed optimizer with Megatron-FSDP.
+        use_distributed_optimizer=True,
+        # MegatronFSDP forces both on for optim_grads_params; for no_shard overlap_grad_reduce
+        # makes finish_grad_sync wait for the all-reduce issued in the last micro-batch's
+        # backward instead of issuing a second one.
+        overlap_grad_reduce=True,
+        overlap_param_gather=True,
+        # fp32: main grads and gradient communication in fp32 (the adapter maps this flag to
+        # MixedPrecisionPolicy(main_grads_dtype=fp32, grad_comm_dtype=fp32)).
+        grad_reduce_in_fp32=fp32_grads,
+        megatron_fsdp_main_grads_dtype=None if fp32_grads else torch.bfloat16,
+        megatron_fsdp_grad_comm_dtype=None if fp32_grads else torch.bfloat16,
+    )
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=run["lr"],
+        min_lr=run["lr"],
+        weight_decay=0.0,
+        adam_beta1=0.9,
+        adam_beta2=0.95,
+        adam_eps=1e-8,
+        clip_grad=1.0,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        use_distributed_optimizer=True,
+    )
+    return tconfig, ddp_config, opt_config
+
+
+# -- data ---------------------------------------------------------------------------------------
+
+class PatternData:
+    """Synthetic tokens with a learnable pattern: a fixed random successor map on a fixed
+    subset of the vocabulary; each next token follows the map with probability 0.9, else it
+    is a uniform draw from the subset. Loss starts near ln(vocab) and falls towards ~1.1 nats.
+    Batches depend only on (seed, step), so every configuration sees the same tokens."""
+
+    SUBSET = 1024
+    FOLLOW = 0.9
+
+    def __init__(self, vocab: int, seq: int, seed: int) -> None:
+        import torch
+
+        self.torch = torch
+        self.seq, self.seed = seq, seed
+        g = torch.Generator().manual_seed(seed)
+        k = min(self.SUBSET, vocab)
+        self.subset = torch.randperm(vocab, generator=g)[:k]
+        self.successor = self.subset[torch.randperm(k, generator=g)]  # successor of subset[i]
+        self.index_of = torch.full((vocab,), -1, dtype=torch.long)
+        self.index_of[self.subset] = torch.arange(k)
+
+    def global_batch(self, step: int, sequences: int):
+        torch = self.torch
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        k = len(self.subset)
+        tokens = torch.empty(sequences, self.seq + 1, dtype=torch.long)
+        tokens[:, 0] = self.subset[torch.randint(k, (sequences,), generator=g)]
+        follow = torch.rand(sequences, self.seq, generator=g) < self.FOLLOW
+        noise = self.subset[torch.randint(k, (sequences, self.seq), generator=g)]
+        for t in range(self.seq):
+            nxt = self.successor[self.index_of[tokens[:, t]]]
+            tokens[:, t + 1] = torch.where(follow[:, t], nxt, noise[:, t])
+        return tokens
+
+
+# -- diagnostics contexts -----------------------------------------------------------------------
+
+def _persistence_rule():
+    """gemm_patch's rule when importable, else the same rule written out (the script has to run
+    without gemm_patch too)."""
+    try:
+        from gemm_patch.dispatcher import main_grad_is_persistent
+        return main_grad_is_persistent
+    except ImportError:
+        def main_grad_is_persistent(param) -> bool:
+            gbuf = getattr(param, "_gbuf", None)
+            return gbuf is not None and not getattr(gbuf, "is_data_distributed", True)
+        return main_grad_is_persistent
+
+
+@contextlib.contextmanager
+def wgrad_rule(rule: str, counts: dict[str, int]):
+    """Count (and optionally force) gemm_patch's accumulate/overwrite decision for the fused
+    output-layer wgrad. A no-op when gemm_patch is not loaded (nothing calls the rule then)."""
+    module = sys.modules.get("gemm_patch.dispatcher")
+    if module is None or not hasattr(module, "main_grad_is_persistent"):
+        if rule != "auto":
+            raise SystemExit(f"--wgrad-rule {rule} needs gemm_patch with main_grad_is_persistent loaded "
+                             "(run under `gemm-patch run --`)")
+        yield
+        return
+    original = module.main_grad_is_persistent
+
+    def counted(param) -> bool:
+        decision = {"auto": None, "overwrite": False, "accumulate": True}[rule]
+        if decision is None:
+            decision = original(param)
+        counts["accumulate" if decision else "overwrite"] += 1
+        return decision
+
+    module.main_grad_is_persistent = counted
+    try:
+        yield
+    finally:
+        module.main_grad_is_persistent = original
+
+
+@contextlib.contextmanager
+def te_overwrite_fix(enabled: bool, counts: dict[str, int]):
+    """The proposed TE-layer fix, applied from outside: Megatron-FSDP sets
+    ``overwrite_main_grad = True`` on every parameter it unshards
+    (megatron_fsdp.py:475, MegatronFSDP.all_gather_and_wait_parameters_ready), which TE reads in
+    forward to overwrite main_grad. Reset it where main_grad is the persistent buffer."""
+    if not enabled:
+        yield
+        return
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp import MegatronFSDP
+
+    persistent = _persistence_rule()
+    original = MegatronFSDP.__dict__["all_gather_and_wait_parameters_ready"]
+
+    def all_gather_and_wait_parameters_ready(self, params, *args, **kwargs):
+        params = list(params)
+        result = original(self, params, *args, **kwargs)
+        for p in params:
+            if getattr(p, "overwrite_main_grad", False) and persistent(p):
+                p.overwrite_main_grad = False
+                counts["reset"] += 1
+        return result
+
+    MegatronFSDP.all_gather_and_wait_parameters_ready = all_gather_and_wait_parameters_ready
+    try:
+        yield
+    finally:
+        MegatronFSDP.all_gather_and_wait_parameters_ready = original
+
+
+def install_mesh_helper_if_no_einops() -> bool:
+    """megatron-core's FSDP adapter builds its (dp, tp) DeviceMesh with einops, which the
+    megatron-core wheel lists only as an extra. For TP = EP = 1 that mesh is the ranks in a
+    column; supply it without einops rather than fail. Returns True when the stand-in is used."""
+    try:
+        import einops  # noqa: F401
+        return False
+    except ImportError:
+        pass
+    import torch
+    import torch.distributed as dist
+    from megatron.core.distributed.fsdp import mcore_fsdp_adapter
+
+    def _get_dp_tp_mesh(dp_cp_group, tp_group, ep_size=1):
+        tp = dist.get_world_size(tp_group) if tp_group is not None else 1
+        if tp != 1 or ep_size != 1 or dp_cp_group.size() != dist.get_world_size():
+            raise RuntimeError("einops is missing and the stand-in mesh covers only TP = EP = 1")
+        return torch.arange(dist.get_world_size()).reshape(-1, 1)
+
+    mcore_fsdp_adapter._get_dp_tp_mesh = _get_dp_tp_mesh
+    return True
+
+
+# -- gradient gathering -------------------------------------------------------------------------
+
+def strip_wrappers(name: str) -> str:
+    while name.startswith("module."):
+        name = name[len("module."):]
+    return name
+
+
+def full_gradient(param, group_cache: dict | None = None):
+    """This parameter's reduced gradient, whole, on every rank (None when it has none).
+
+    After finalize_model_grads Megatron-FSDP has swapped the module's parameters for the
+    optimizer's DTensor parameters and set their ``.grad`` to a DTensor view of the reduced
+    main-grad buffer (param_and_grad_buffer.py ``update_main_grads``): Replicate for no_shard,
+    else Shard(0) over the data-parallel mesh dimension with uneven, row-aligned shards laid out
+    in rank order (rank r holds a contiguous slice of the flat buffer). A rank whose shard of a
+    parameter is empty has ``.grad = None``, so the layout is read from the parameter."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    grad = param.grad if param.grad is not None else getattr(param, "decoupled_grad", None)
+    layout = param if isinstance(param, DTensor) else grad
+    if not isinstance(layout, DTensor):
+        return None if grad is None else grad.detach().float()
+    shards = [(dim, p) for dim, p in enumerate(layout.placements) if p.is_shard()]
+    shape = tuple(layout.shape)
+    if grad is not None:
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+    else:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        local = torch.empty((0, *shape[1:]), dtype=torch.float32, device=device)
+    local = local.detach().float().reshape(-1, *shape[1:])
+    if not shards:
+        return local.reshape(shape)
+    if len(shards) != 1 or shards[0][1].dim != 0:
+        raise RuntimeError(f"unexpected gradient placements {layout.placements}")
+    group = layout.device_mesh.get_group(shards[0][0])
+    world = dist.get_world_size(group)
+    rows = torch.tensor([local.shape[0]], device=local.device)
+    all_rows = [torch.zeros_like(rows) for _ in range(world)]
+    dist.all_gather(all_rows, rows, group=group)
+    counts = [int(r.item()) for r in all_rows]
+    if sum(counts) != shape[0]:
+        raise RuntimeError(f"shards hold {sum(counts)} rows of {shape[0]}")
+    pad = max(counts)
+    padded = torch.zeros((pad, *shape[1:]), dtype=torch.float32, device=local.device)
+    padded[: local.shape[0]] = local
+    gathered = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(gathered, padded, group=group)
+    return torch.cat([g[:n] for g, n in zip(gathered, counts, strict=True)]).reshape(shape)
+
+
+def dump_gradients(model, path: str, meta: dict[str, Any]) -> dict[str, Any]:
+    """Gather every parameter's full reduced gradient; rank 0 saves {name: fp32 CPU tensor}."""
+    import torch
+    import torch.distributed as dist
+
+    grads = {}
+    for name, param in model.named_parameters():
+        full = full_gradient(param)
+        if full is not None and dist.get_rank() == 0:
+            grads[strip_wrappers(name)] = full.cpu()
+    summary = {"path": path, "params": len(grads)}
+    if dist.get_rank() == 0:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"format": "gemm_patch.grad_dump/1", "meta": meta, "grads": grads}, path)
+        summary["norms"] = {k: float(v.norm()) for k, v in grads.items()}
+    dist.barrier()
+    return summary
+
+
+# -- one configuration --------------------------------------------------------------------------
+
+def train_one(run: dict[str, Any], warmup_steps: int) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.distributed import FullyShardedDataParallel, finalize_model_grads
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.module import Float16Module
+    from megatron.core.utils import get_model_config
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dp_group = parallel_state.get_data_parallel_group()
+    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+    tconfig, ddp_config, opt_config = build_configs(run)
+
+    # Same seed -> same initial weights in every configuration (TP = 1: no per-rank offset).
+    torch.manual_seed(run["seed"])
+    model_parallel_cuda_manual_seed(run["seed"])
+
+    gpt = GPTModel(
+        config=tconfig,
+        transformer_layer_spec=get_gpt_layer_with_transformer_engine_spec(),
+        vocab_size=run["vocab"],
+        max_sequence_length=run["seq"],
+        pre_process=True,
+        post_process=True,
+        parallel_output=True,
+        # Untied, so the output layer's fused wgrad is the only writer of its main_grad.
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+    )
+    gpt.cuda(torch.cuda.current_device())
+    model = FullyShardedDataParallel(config=tconfig, ddp_config=ddp_config, module=Float16Module(tconfig, gpt))
+    optimizer = get_megatron_optimizer(opt_config, [model])
+
+    config = get_model_config(model)
+    config.no_sync_func = model.no_sync
+    config.grad_sync_func = model.start_grad_sync
+    config.param_sync_func = model.start_param_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    forward_backward = get_forward_backward_func()
+
+    data = PatternData(run["vocab"], run["seq"], run["seed"])
+    mbs, m = run["micro_batch_size"], run["micro_batches"]
+    tokens_per_step = dp_size * m * mbs * run["seq"]
+    position_ids = torch.arange(run["seq"], device="cuda").unsqueeze(0).expand(mbs, -1)
+
+    def loss_func(output_tensor):
+        loss = output_tensor.float().mean()  # every token counts (no padding)
+        # The schedule divides the returned loss by num_microbatches in place: log a copy.
+        return loss, {"lm loss": loss.detach().clone()}
+
+    def forward_step(data_iterator, model_):
+        tokens = next(data_iterator)
+        inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        output = model_(inputs, position_ids, None, labels=labels)
+        return output, loss_func
+
+    counts = {"accumulate": 0, "overwrite": 0, "reset": 0}
+    steps, dump = [], None
+    with wgrad_rule(run["wgrad_rule"], counts), te_overwrite_fix(run["te_overwrite_fix"], counts):
+        for step in range(1, run["steps"] + 1):
+            batch = data.global_batch(step, dp_size * m * mbs)
+            local = batch[dp_rank * m * mbs:(dp_rank + 1) * m * mbs].cuda(non_blocking=True)
+            micro = [local[i * mbs:(i + 1) * mbs] for i in range(m)]
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            model.zero_grad_buffer()
+            optimizer.zero_grad()
+            losses = forward_backward(
+                forward_step_func=forward_step, data_iterator=iter(micro), model=[model],
+                num_microbatches=m, seq_length=run["seq"], micro_batch_size=mbs, forward_only=False,
+            )
+            paused = 0.0
+            if step == 1 and run["grad_dump"]:
+                torch.cuda.synchronize()
+                t_pause = time.perf_counter()
+                dump = dump_gradients(model, run["grad_dump"], {"run": run, "world_size": world})
+                paused = time.perf_counter() - t_pause
+            update_ok, grad_norm, _ = optimizer.step()
+            torch.cuda.synchronize()
+            step_time = time.perf_counter() - t0 - paused
+
+            loss = torch.stack([x["lm loss"] for x in losses]).mean()
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=dp_group)
+            peak = torch.tensor([torch.cuda.max_memory_allocated()], device="cuda", dtype=torch.float64)
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+            record = {
+                "step": step,
+                "loss": float(loss),
+                "step_time_s": step_time,
+                "tokens_per_s": tokens_per_step / step_time,
+                "peak_mem_bytes": int(peak.item()),
+                "grad_norm": None if grad_norm is None else float(grad_norm),
+                "update_ok": bool(update_ok),
+            }
+            steps.append(record)
+            if rank == 0:
+                print(f"[{run['name']}] step {step:3d} loss {record['loss']:.4f} "
+                      f"time {step_time * 1e3:7.1f} ms  {record['tokens_per_s']:,.0f} tok/s  "
+                      f"peak {record['peak_mem_bytes'] / 2**30:.2f} GiB  grad_norm {record['grad_norm']}",
+                      flush=True)
+
+    timed = steps[warmup_steps:] if len(steps) > warmup_steps else steps
+    summary = {
+        "median_step_time_s": statistics.median(s["step_time_s"] for s in timed),
+        "median_tokens_per_s": statistics.median(s["tokens_per_s"] for s in timed),
+        "peak_mem_bytes": max(s["peak_mem_bytes"] for s in steps),
+        "final_loss": steps[-1]["loss"],
+        "timed_steps": len(timed),
+    }
+
+    # Let the overlapped all-gather launched by optimizer.step() finish before tearing down.
+    model.stop_communication()
+    torch.cuda.synchronize()
+    for key in ("no_sync_func", "grad_sync_func", "param_sync_func", "finalize_model_grads_func",
+                "grad_scale_func"):
+        setattr(config, key, None)
+    del optimizer, model, gpt, forward_backward
+    gc.collect()
+    torch.cuda.empty_cache()
+    dist.barrier()
+    return {
+        "name": run["name"],
+        "config": run,
+        "world_size": world,
+        "tokens_per_step": tokens_per_step,
+        "steps": steps,
+        "summary": summary,
+        "grad_dump": dump,
+        "wgrad_decisions": {"output_layer_accumulate": counts["accumulate"],
+                            "output_layer_overwrite": counts["overwrite"],
+                            "te_overwrite_main_grad_reset": counts["reset"]},
+    }
+
+
+# -- driver -------------------------------------------------------------------------------------
+
+def environment() -> dict[str, Any]:
+    import torch
+
+    versions: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__}
+    try:
+        import transformer_engine
+        versions["transformer_engine"] = transformer_engine.__version__
+    except Exception as exc:  # record, don't fail: the run itself will say what TE lacks
+        versions["transformer_engine"] = f"unavailable: {type(exc).__name__}: {exc}"
+    from megatron.core import package_info
+    versions["megatron_core"] = package_info.__version__
+    gp = sys.modules.get("gemm_patch")
+    return {
+        "versions": versions,
+        "gpu": torch.cuda.get_device_name(),
+        "gpus_visible": torch.cuda.device_count(),
+        "gemm_patch": gp.status().as_dict() if gp is not None else None,
+        "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+                                               "CUDA_DEVICE_MAX_CONNECTIONS", "GEMM_PATCH",
+                                               "GEMM_PATCH_BACKEND", "GEMM_PATCH_AUTO")},
+    }
+
+
+def check_patched() -> None:
+    import megatron.core.tensor_parallel.layers  # noqa: F401  (gemm_patch patches on import)
+
+    gp = sys.modules.get("gemm_patch")
+    if gp is None:
+        raise SystemExit("--require-patch: gemm_patch is not loaded in this process "
+                         "(start it with `gemm-patch run -- torchrun ...`)")
+    states = {t.name: t.state for t in gp.status().targets}
+    if states.get("fsdp-wgrad") not in ("verified", "unverified"):
+        raise SystemExit(f"--require-patch: fsdp-wgrad target is {states.get('fsdp-wgrad')!r}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    runs = expand_plan(args)
+
+    import torch
+    import torch.distributed as dist
+
+    if "RANK" not in os.environ:  # plain `python train_gpt_fsdp.py`: one process
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", "29511"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl")
+
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    if args.require_patch:
+        check_patched()
+    einops_stand_in = install_mesh_helper_if_no_einops()
+
+    results = {
+        "schema": "gemm_patch.e2e_run/1",
+        "argv": sys.argv,
+        "world_size": dist.get_world_size(),
+        "einops_stand_in": einops_stand_in,
+        **environment(),
+        "runs": [],
+    }
+    for run in runs:
+        results["runs"].append(train_one(run, args.warmup_steps))
+        if dist.get_rank() == 0:  # written after every run: a later crash keeps the earlier ones
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(results, indent=1))
+    if dist.get_rank() == 0:
+        results["gemm_patch"] = environment()["gemm_patch"]  # final state (demotions, if any)
+        Path(args.out).write_text(json.dumps(results, indent=1))
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

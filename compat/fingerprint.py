@@ -1,4 +1,4 @@
-"""Print the fingerprint of each call-site target in the megatron-core found on sys.path.
+"""Print the fingerprint of each target (call site, apex usage) in the megatron-core found on sys.path.
 
     PYTHONPATH=/path/to/megatron-core python compat/fingerprint.py
 
@@ -14,16 +14,20 @@ import sys
 os.environ["GEMM_PATCH"] = "0"  # look at the unpatched source
 
 from gemm_patch import detection  # noqa: E402
+from gemm_patch.apex_analysis import analyse as analyse_apex  # noqa: E402
 from gemm_patch.callsite import CallSiteError, analyse  # noqa: E402
 from gemm_patch.targets import TARGETS  # noqa: E402
 
 
 def main() -> int:
     for target in TARGETS:
-        if not hasattr(target, "call"):
-            continue
         module = importlib.import_module(target.module)
         version = detection.distribution_version("megatron-core")
+        if hasattr(target, "extension"):
+            usage = analyse_apex(module, target.extension, target.flag, target.calls)
+            print(f'{target.name} "{version}": "{usage.fingerprint}",  # {len(usage.calls)} call(s), '
+                  f'{len(usage.checks)} check(s), guarded import {usage.guarded_import is not None}')
+            continue
         try:
             found = analyse(module, target.owner, target.attribute, target.call)
         except CallSiteError as exc:

@@ -41,6 +41,16 @@ class WgradDispatcher:
         self.gemm(a, b, out, accumulate=param is not None and main_grad_is_persistent(param))
         return out
 
+    def apex_wgrad(self, total_input: torch.Tensor, grad_output: torch.Tensor,
+                   main_grad: torch.Tensor) -> None:
+        """Stands in for apex's ``wgrad_gemm_accum_fp32/fp16(total_input, grad_output,
+        main_grad)``: ``main_grad += grad_output^T @ total_input`` in place."""
+        # apex folds leading dimensions into the token dimension ([s, b, h] -> [s*b, h]);
+        # megatron passes 2-D tensors already, for which reshape is a no-op view.
+        total_input = total_input.reshape(-1, total_input.shape[-1])
+        grad_output = grad_output.reshape(-1, grad_output.shape[-1])
+        self.gemm(grad_output.t(), total_input, main_grad, accumulate=True)
+
     # -- the dispatch itself ----------------------------------------------------------------
 
     def gemm(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
@@ -177,3 +187,9 @@ def fsdp_wgrad(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor, param=Non
     """What the patched megatron-core call site calls; looks the dispatcher up per call so a
     reconfigured or reset dispatcher takes effect without re-patching."""
     return (_active or active_dispatcher()).fsdp_wgrad(a, b, out=out, param=param)
+
+
+def apex_wgrad(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
+    """What gemm_patch's stand-in for apex's ``fused_weight_gradient_mlp_cuda`` calls; looks the
+    dispatcher up per call, like ``fsdp_wgrad``."""
+    (_active or active_dispatcher()).apex_wgrad(total_input, grad_output, main_grad)

@@ -18,7 +18,20 @@ from typing import Any
 import wrapt
 
 from . import config, detection
-from .targets import OFF, PENDING, SKIPPED, TARGETS, UNVERIFIED, TargetStatus, Undo, UnverifiedRefused
+from .targets import (
+    APEX_WGRAD,
+    APEX_WORDS,
+    OFF,
+    PENDING,
+    SKIPPED,
+    TARGETS,
+    UNVERIFIED,
+    TargetStatus,
+    Undo,
+    UnverifiedRefused,
+    apex_summary,
+    apex_word,
+)
 
 log = logging.getLogger("gemm_patch")
 
@@ -45,6 +58,7 @@ class Status:
     versions: dict[str, str | None]
     targets: list[TargetStatus]
     backends: dict[str, Any] = field(default_factory=dict)
+    apex: str = "unknown"  # a key of targets.APEX_WORDS
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -57,6 +71,7 @@ class Status:
             "versions": self.versions,
             "targets": [t.as_dict() for t in self.targets],
             "backends": self.backends,
+            "apex": self.apex,
         }
 
     def __str__(self) -> str:
@@ -68,6 +83,7 @@ class Status:
         lines.append(f"  installed: {installed or 'none of megatron-core, TE, torch, NeMo'}")
         for t in self.targets:
             lines.append(f"  {t.name:<12} {t.state:<15} {t.reason}")
+        lines.append(f"  apex: {self.apex}: {APEX_WORDS.get(self.apex, '')}")
         if self.backends:
             lines.append(f"  backends: {' > '.join(self.backends.get('order', []))}"
                          f" (GEMM_PATCH_BACKEND={self.backend})")
@@ -188,7 +204,8 @@ def _log_summary(done: list[TargetStatus]) -> None:
     if _summary_logged:
         return
     _summary_logged = True
-    parts = ", ".join(f"{st.name} {st.state}" for st in done)
+    parts = ", ".join(apex_summary(st) if st.name == APEX_WGRAD.name else f"{st.name} {st.state}"
+                      for st in done)
     log.log(level, "megatron-core %s: %s; %s", done[0].version, parts, _backend_summary())
 
 
@@ -217,4 +234,5 @@ def status() -> Status:
 
             backends = active_dispatcher().describe()
         return Status(__version__, _wanted, _strict, cfg.backend, _config_error,
-                      detection.installed_versions(), targets, backends)
+                      detection.installed_versions(), targets, backends,
+                      apex_word(_states.get(APEX_WGRAD.name), cfg.apex_shim))

@@ -7,6 +7,7 @@ Adding a megatron-core release is one line in a ``fingerprints`` table (get the 
 
 from __future__ import annotations
 
+import sys
 import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ NOT_APPLICABLE = "not applicable"
 SKIPPED = "skipped"
 PENDING = "pending"
 OFF = "off"
+APEX_REAL = "apex real"  # apex-wgrad: apex's own extension imported, nothing to provide
 
 
 @dataclass
@@ -37,21 +39,35 @@ class TargetStatus:
 
 @dataclass
 class Undo:
-    """Attribute assignments to reverse, newest last: (owner, attribute, original, existed)."""
+    """Assignments to reverse, newest last: (owner, name, original, existed, installed), where
+    ``installed`` is None for an attribute of ``owner`` and, for a key of the mapping ``owner``
+    (``sys.modules``), the value put there."""
 
-    steps: list[tuple[Any, str, Any, bool]] = field(default_factory=list)
+    steps: list[tuple[Any, str, Any, bool, Any]] = field(default_factory=list)
 
     def set(self, owner: Any, attribute: str, value: Any) -> None:
         existed = attribute in vars(owner)
-        self.steps.append((owner, attribute, vars(owner).get(attribute), existed))
+        self.steps.append((owner, attribute, vars(owner).get(attribute), existed, None))
         setattr(owner, attribute, value)
 
+    def set_item(self, mapping: dict, key: str, value: Any) -> None:
+        self.steps.append((mapping, key, mapping.get(key), key in mapping, value))
+        mapping[key] = value
+
     def run(self) -> None:
-        for owner, attribute, original, existed in reversed(self.steps):
-            if existed:
-                setattr(owner, attribute, original)
-            elif attribute in vars(owner):
-                delattr(owner, attribute)
+        for owner, name, original, existed, installed in reversed(self.steps):
+            if installed is not None:
+                # A process-wide registry: put back only what is still ours, so a module
+                # imported there since (a real apex) is never removed.
+                if owner.get(name) is installed:
+                    if existed:
+                        owner[name] = original
+                    else:
+                        del owner[name]
+            elif existed:
+                setattr(owner, name, original)
+            elif name in vars(owner):
+                delattr(owner, name)
         self.steps.clear()
 
 
@@ -164,4 +180,126 @@ FSDP_WGRAD = CallSiteTarget(
     },
 )
 
-TARGETS: tuple[CallSiteTarget, ...] = (FSDP_WGRAD,)
+
+
+@dataclass(frozen=True)
+class ApexWgradTarget:
+    """Provide apex's compiled ``extension`` to ``module`` where apex's own did not import.
+
+    The stand-in goes into ``sys.modules`` (for by-name imports such as the deferred embedding
+    wgrad in ``megatron/core/utils.py``) and into the module's globals (for the wgrad calls),
+    and ``flag`` becomes True (for the constructors' check). A real apex is left alone.
+    """
+
+    name: str
+    distribution: str
+    module: str
+    extension: str
+    flag: str
+    calls: tuple[str, ...]
+    fingerprints: Mapping[str, str]  # release -> fingerprint of the apex usage (apex_analysis)
+
+    def patch(self, module: types.ModuleType, version: str | None, strict: bool) -> tuple[TargetStatus, Undo]:
+        from . import config
+        from .apex_analysis import ApexSourceError, analyse
+        from .apex_stand_in import STAND_IN, is_stand_in
+
+        def status(state: str, reason: str, fp: str | None = None) -> TargetStatus:
+            return TargetStatus(self.name, self.module, state, reason, version, fp)
+
+        ext, where = self.extension, module.__name__
+        present = vars(module).get(ext)
+        if present is not None and not is_stand_in(present):
+            return status(APEX_REAL, f"apex's {ext} was imported by {where}; used untouched"), Undo()
+        elsewhere = sys.modules.get(ext)
+        if elsewhere is not None and not is_stand_in(elsewhere):
+            return status(SKIPPED, f"{ext} was imported after {where} (which found none); "
+                                   "left alone: a real extension is never shadowed"), Undo()
+        if not config.load().apex_shim:
+            return status(OFF, f"GEMM_PATCH_APEX=0: apex's {ext} is missing and gemm_patch does not "
+                               "provide it"), Undo()
+        try:
+            usage = analyse(module, ext, self.flag, self.calls)
+        except ApexSourceError as exc:
+            return status(SKIPPED, str(exc)), Undo()
+        fp = usage.fingerprint
+        if usage.guarded_import is None or usage.flag_default is None:
+            return status(NOT_APPLICABLE, f"{where} has no guarded `import {ext}` setting {self.flag}",
+                          fp), Undo()
+        if not usage.calls:
+            return status(NOT_APPLICABLE, f"{where} calls none of {ext}.{{{', '.join(self.calls)}}}",
+                          fp), Undo()
+        provided = f"apex missing: {ext}.{{{', '.join(usage.call_names)}}} provided by gemm_patch"
+        known = self.fingerprints.get(public_version(version))
+        if known == fp:
+            state, reason = VERIFIED, f"{provided}; usage matches release {version}"
+        else:
+            state = UNVERIFIED
+            reason = (f"{provided}; megatron-core {version} is not a verified release" if known is None
+                      else f"{provided}; apex usage differs from release {version} (fingerprint {fp}, "
+                           f"release {known})")
+            if strict:
+                raise UnverifiedRefused(f"{self.name}: {reason}; refused because GEMM_PATCH_STRICT=1")
+        undo = Undo()
+        undo.set_item(sys.modules, ext, STAND_IN)
+        undo.set(module, ext, STAND_IN)
+        undo.set(module, self.flag, True)
+        return status(state, reason, fp), undo
+
+
+APEX_WGRAD = ApexWgradTarget(
+    name="apex-wgrad",
+    distribution="megatron-core",
+    module="megatron.core.tensor_parallel.layers",
+    extension="fused_weight_gradient_mlp_cuda",
+    flag="_grad_accum_fusion_available",
+    calls=("wgrad_gemm_accum_fp32", "wgrad_gemm_accum_fp16"),
+    fingerprints={
+        # The guarded import, ColumnParallelLinear's check and the two backward calls have not
+        # changed from 0.13.1 to 0.19.2 (RowParallelLinear has no check in any of them).
+        "0.13.1": "08d38a954a90ad6e",
+        "0.14.0": "08d38a954a90ad6e",
+        "0.15.3": "08d38a954a90ad6e",
+        "0.16.1": "08d38a954a90ad6e",
+        "0.17.1": "08d38a954a90ad6e",
+        "0.18.2": "08d38a954a90ad6e",
+        "0.19.2": "08d38a954a90ad6e",
+    },
+)
+
+TARGETS: tuple[CallSiteTarget | ApexWgradTarget, ...] = (FSDP_WGRAD, APEX_WGRAD)
+
+# status()'s one word on apex (JSON "apex"), and what it means (text and summary line).
+APEX_WORDS = {
+    "real": "apex's fused_weight_gradient_mlp_cuda is real and used untouched",
+    "provided": "provided by gemm_patch (apex's fused_weight_gradient_mlp_cuda is missing)",
+    "off": "not provided (GEMM_PATCH_APEX=0, or gemm_patch reverted or not applied)",
+    "missing": "missing and not provided (see the apex-wgrad target)",
+    "unknown": "not checked yet (megatron-core's layers module not imported)",
+}
+
+
+def apex_word(st: TargetStatus | None, enabled: bool) -> str:
+    """``real``, ``provided``, ``off``, ``missing`` or ``unknown``, from the apex-wgrad state."""
+    if st is None or st.state == PENDING:
+        return "off" if not enabled else "unknown"
+    if st.state == APEX_REAL:
+        return "real"
+    if st.state in (VERIFIED, UNVERIFIED):
+        return "provided"
+    if st.state == OFF or not enabled:
+        return "off"
+    return "missing"
+
+
+
+def apex_summary(st: TargetStatus) -> str:
+    """The apex-wgrad part of the once-per-process summary line."""
+    word = apex_word(st, enabled=st.state != OFF)
+    if word == "provided":
+        return f"{st.name} provided (apex missing; {st.state})"
+    if word == "real":
+        return f"{st.name} idle (apex real)"
+    if word == "off":
+        return f"{st.name} off (GEMM_PATCH_APEX=0)"
+    return f"{st.name} {st.state} (apex missing, not provided)"

@@ -20,7 +20,8 @@ def test_release(version):
     result = matrix.run_release(version)
     _results[version] = result
     assert result.ok, f"megatron-core {version}: {result.failures}"
-    assert result.state.split(", ")[0] == result.expect
+    assert result.state == result.expect
+    assert result.apex_state == result.expect_apex
 
 
 def teardown_module(module):

@@ -91,8 +91,11 @@ def test_module_namespace_is_untouched():
     before = dict(vars(layers))
     gemm_patch.apply()
     after = dict(vars(layers))
-    assert after.keys() == before.keys()
-    changed = [k for k in before if after[k] is not before[k]]
+    # Only the apex-wgrad target writes here, and only when it provides apex's extension
+    # (tests/megatron/test_apex_wgrad.py checks those two names and their revert).
+    apex_names = {"fused_weight_gradient_mlp_cuda", "_grad_accum_fusion_available"}
+    assert after.keys() - apex_names == before.keys() - apex_names
+    changed = [k for k in before if k not in apex_names and after[k] is not before[k]]
     assert changed == []
     others = {k: v for k, v in vars(FUNCTION).items() if k != "backward"}
     gemm_patch.revert()
@@ -169,4 +172,4 @@ def test_unverified_release_is_patched_with_a_warning_or_refused_in_strict_mode(
         assert out.stdout.split()[-1] != "unverified"
     else:
         assert out.stdout.split()[-1] == "unverified", out.stdout
-        assert out.stderr.count("patched but unverified") == 1, out.stderr
+        assert out.stderr.count("fsdp-wgrad patched but unverified") == 1, out.stderr

@@ -1,0 +1,81 @@
+"""What megatron-core's layers module relies on from apex's ``fused_weight_gradient_mlp_cuda``,
+read from its source: the guarded import that sets the availability flag, the constructor
+checks that read the flag, and the wgrad calls into the extension.
+
+The stand-in is only safe where these look the way they did in a verified release, so their
+AST (and nothing else of the 1,500-line module) is what the fingerprint covers.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import types
+from dataclasses import dataclass, field
+
+from .callsite import fingerprint
+
+
+class ApexSourceError(Exception):
+    """The module's source cannot be read; the message is the skip reason."""
+
+
+@dataclass
+class ApexUsage:
+    guarded_import: ast.Try | None = None
+    flag_default: ast.Assign | None = None
+    checks: list[ast.expr] = field(default_factory=list)
+    calls: list[ast.Call] = field(default_factory=list)
+
+    @property
+    def call_names(self) -> list[str]:
+        return sorted({c.func.attr for c in self.calls})  # type: ignore[attr-defined]
+
+    @property
+    def fingerprint(self) -> str:
+        # The call-site targets' digest: independent of formatting and of the Python version.
+        return fingerprint(self.flag_default, self.guarded_import, *self.checks, *self.calls)
+
+
+def _imports(node: ast.stmt, extension: str) -> bool:
+    return isinstance(node, ast.Import) and any(a.name == extension and a.asname is None for a in node.names)
+
+
+def _assigns(node: ast.stmt, flag: str, value: bool) -> bool:
+    return (isinstance(node, ast.Assign) and len(node.targets) == 1
+            and isinstance(node.targets[0], ast.Name) and node.targets[0].id == flag
+            and isinstance(node.value, ast.Constant) and node.value.value is value)
+
+
+def _guard(tree: ast.Module, extension: str, flag: str) -> tuple[ast.Assign | None, ast.Try | None]:
+    """The module-level ``flag = True; try: import extension; except ImportError: flag = False``."""
+    default = None
+    for node in tree.body:
+        if _assigns(node, flag, True):
+            default = node
+        if (isinstance(node, ast.Try) and any(_imports(s, extension) for s in node.body)
+                and any(_assigns(s, flag, False) for h in node.handlers for s in h.body)):
+            return default, node
+    return default, None
+
+
+def analyse(module: types.ModuleType, extension: str, flag: str, calls: tuple[str, ...]) -> ApexUsage:
+    try:
+        source = inspect.getsource(module)
+    except (OSError, TypeError) as exc:
+        raise ApexSourceError(
+            f"no source for {module.__name__} ({exc}); a bytecode-only install cannot be "
+            "checked, so it is left untouched"
+        ) from None
+    tree = ast.parse(source)
+    usage = ApexUsage()
+    usage.flag_default, usage.guarded_import = _guard(tree, extension, flag)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and any(isinstance(n, ast.Name) and n.id == flag
+                                            for n in ast.walk(node.test)):
+            usage.checks.append(node.test)
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and isinstance(node.func.value, ast.Name) and node.func.value.id == extension
+              and node.func.attr in calls):
+            usage.calls.append(node)
+    return usage

@@ -1,0 +1,115 @@
+"""The apex-wgrad target's gate on synthetic modules shaped like megatron-core's layers module:
+not applicable where the guarded import or the calls are absent, unverified for an unknown
+release, exact undo (no megatron needed; tests/megatron runs it against every release)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import sys
+import textwrap
+
+import pytest
+
+from gemm_patch.apex_analysis import analyse
+from gemm_patch.apex_stand_in import STAND_IN
+from gemm_patch.targets import APEX_WGRAD, UnverifiedRefused, apex_word
+
+EXT = APEX_WGRAD.extension
+
+GUARD = """
+_grad_accum_fusion_available = True
+try:
+    import fused_weight_gradient_mlp_cuda
+except ImportError:
+    _grad_accum_fusion_available = False
+"""
+CHECK = """
+def build(config):
+    if config.gradient_accumulation_fusion and not _grad_accum_fusion_available:
+        raise RuntimeError("no apex")
+"""
+CALLS = """
+def backward(total_input, grad_output, weight):
+    if weight.main_grad.dtype == "fp32":
+        fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32(total_input, grad_output, weight.main_grad)
+    else:
+        fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp16(total_input, grad_output, weight.main_grad)
+"""
+
+
+@pytest.fixture
+def load(tmp_path, monkeypatch):
+    monkeypatch.delitem(sys.modules, EXT, raising=False)
+
+    def load(source: str, name: str = "fake_layers"):
+        path = tmp_path / f"{name}.py"
+        path.write_text(textwrap.dedent(source))
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    return load
+
+
+def target_for(module, **changes):
+    fp = analyse(module, EXT, APEX_WGRAD.flag, APEX_WGRAD.calls).fingerprint
+    return dataclasses.replace(APEX_WGRAD, fingerprints={"9.9.9": fp}, **changes)
+
+
+def test_provides_and_undoes_exactly(load):
+    module = load(GUARD + CHECK + CALLS)
+    before = dict(vars(module))
+    st, undo = target_for(module).patch(module, "9.9.9", strict=True)
+    assert st.state == "verified", st.reason
+    assert module.fused_weight_gradient_mlp_cuda is STAND_IN and sys.modules[EXT] is STAND_IN
+    assert module._grad_accum_fusion_available is True
+    assert apex_word(st, True) == "provided"
+    undo.run()
+    assert EXT not in sys.modules
+    assert vars(module).keys() == before.keys() and all(vars(module)[k] is before[k] for k in before)
+
+
+@pytest.mark.parametrize("source, why", [
+    (CHECK + CALLS, "no guarded `import fused_weight_gradient_mlp_cuda`"),
+    (GUARD + CHECK, "calls none of"),
+])
+def test_not_applicable_without_the_guard_or_the_calls(load, source, why):
+    module = load(source)
+    st, undo = target_for(module).patch(module, "9.9.9", strict=True)
+    assert st.state == "not applicable" and why in st.reason, st.reason
+    assert undo.steps == [] and EXT not in sys.modules
+    assert apex_word(st, True) == "missing"
+
+
+def test_a_changed_call_is_unverified_and_refused_in_strict_mode(load):
+    verified = load(GUARD + CHECK + CALLS, "verified_layers")
+    changed = load(GUARD + CHECK + CALLS.replace("(total_input, grad_output,", "(grad_output, total_input,"))
+    target = target_for(verified)
+    with pytest.raises(UnverifiedRefused, match="apex usage differs from release 9.9.9"):
+        target.patch(changed, "9.9.9", strict=True)
+    assert EXT not in sys.modules
+    st, undo = target.patch(changed, "9.9.9", strict=False)
+    assert st.state == "unverified" and sys.modules[EXT] is STAND_IN
+    undo.run()
+
+
+def test_a_real_extension_is_never_shadowed(load, monkeypatch):
+    real = type(sys)(EXT)
+    monkeypatch.setitem(sys.modules, EXT, real)
+    module = load(GUARD + CHECK + CALLS)
+    assert module.fused_weight_gradient_mlp_cuda is real
+    st, undo = target_for(module).patch(module, "9.9.9", strict=True)
+    assert st.state == "apex real" and undo.steps == []
+    assert sys.modules[EXT] is real and module._grad_accum_fusion_available is True
+    assert apex_word(st, True) == "real"
+
+
+def test_switched_off_by_the_variable(load, monkeypatch):
+    monkeypatch.setenv("GEMM_PATCH_APEX", "0")
+    module = load(GUARD + CHECK + CALLS)
+    st, undo = target_for(module).patch(module, "9.9.9", strict=True)
+    assert st.state == "off" and "GEMM_PATCH_APEX=0" in st.reason
+    assert undo.steps == [] and EXT not in sys.modules and module._grad_accum_fusion_available is False
+    assert apex_word(st, False) == "off"

@@ -170,13 +170,13 @@ FSDP_WGRAD = CallSiteTarget(
     replacement="fsdp_wgrad",
     extra_keywords={"param": "weight"},
     fingerprints={
-        # 0.13.1 has no such call ("9d4c7c715e880205"): not applicable, nothing to record.
-        "0.14.0": "338662a6449c37a5",
-        "0.15.3": "338662a6449c37a5",
-        "0.16.1": "338662a6449c37a5",
-        "0.17.1": "338662a6449c37a5",
-        "0.18.2": "f4c659c5c28f0101",  # the torch.matmul left in the no-TE else-branch
-        "0.19.2": "582d17875a6239b1",
+        # 0.13.1 has no such call: not applicable, nothing to record.
+        "0.14.0": "7ec854ca9d6a137e",
+        "0.15.3": "7ec854ca9d6a137e",
+        "0.16.1": "7ec854ca9d6a137e",
+        "0.17.1": "7ec854ca9d6a137e",
+        "0.18.2": "eeb4af4511d4b4e2",  # the torch.matmul left in the no-TE else-branch
+        "0.19.2": "8052bd62d48b6d81",
     },
 )
 

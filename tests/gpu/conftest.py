@@ -16,7 +16,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
-    pytest.skip("needs CUDA", allow_module_level=True)
+    collect_ignore_glob = ["test_*.py"]  # nothing here can run without CUDA
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent

@@ -14,6 +14,20 @@ from .patcher import GemmPatchError, Status, apply, revert, status  # noqa: E402
 __all__ = ["GemmPatchError", "Status", "__version__", "apply", "revert", "status"]
 
 
+def _imported_by_own_command() -> bool:
+    """True while the ``gemm-patch`` command (or ``python -m gemm_patch``) imports the package.
+    The command applies the patch itself where it wants it (status, doctor); ``run`` must not:
+    the launcher process would report a bad variable that every child reports again, and
+    raise in strict mode before starting anything."""
+    import os
+    import sys
+
+    if sys.argv and os.path.splitext(os.path.basename(sys.argv[0]))[0] == "gemm-patch":
+        return True
+    argv = list(getattr(sys, "orig_argv", []))
+    return "-m" in argv and argv[argv.index("-m") + 1:][:1] in (["gemm_patch"], ["gemm_patch.cli"])
+
+
 def _auto_apply() -> None:
     from . import config
 
@@ -25,4 +39,5 @@ def _auto_apply() -> None:
         apply()
 
 
-_auto_apply()
+if not _imported_by_own_command():
+    _auto_apply()

@@ -1,0 +1,85 @@
+"""The sitecustomize of every Python process started under ``gemm-patch run``.
+
+``gemm-patch run`` puts this directory first on PYTHONPATH, so Python's ``site`` imports this
+file instead of the sitecustomize it would otherwise have run (the user's own, or one that a
+distribution or container image ships). This file therefore
+
+1. finds that other sitecustomize (the next one on sys.path after this directory) and runs it,
+   first, so the process is set up exactly as it would have been without the launcher;
+2. then applies gemm_patch through ``_gemm_patch_startup`` (its neighbour in the source tree;
+   a wheel install ships that module at the root of site-packages instead).
+
+It never raises: a failure of its own is one line on stderr, and the process runs on
+unpatched. The syntax stays plain because any interpreter started under the launcher parses
+this file, whatever its version.
+"""
+
+import os
+import sys
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _same_dir(entry, directory):
+    try:
+        return os.path.normcase(os.path.abspath(entry or os.curdir)) == os.path.normcase(directory)
+    except Exception:
+        return False
+
+
+def _entries_after_here():
+    """sys.path past this directory: where Python would have looked for sitecustomize next.
+    (Entries before it cannot hold one, or Python would have imported that instead.)"""
+    for index, entry in enumerate(sys.path):
+        if _same_dir(entry, _HERE):
+            return [e for e in sys.path[index + 1:] if not _same_dir(e, _HERE)]
+    return [e for e in sys.path if not _same_dir(e, _HERE)]
+
+
+def _run_next_sitecustomize():
+    import importlib.machinery
+    import importlib.util
+
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", _entries_after_here())
+    if spec is None or spec.loader is None:
+        return
+    ours = sys.modules.get("sitecustomize")
+    module = importlib.util.module_from_spec(spec)
+    # Installed under the name it was written for, so that `import sitecustomize` later on
+    # finds the user's module, as it would have without the launcher.
+    sys.modules["sitecustomize"] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as err:
+        # Exactly what site.py would have done had it imported that file itself.
+        if ours is not None:
+            sys.modules["sitecustomize"] = ours
+        if sys.flags.verbose:
+            sys.excepthook(*sys.exc_info())
+        else:
+            sys.stderr.write("Error in sitecustomize; set PYTHONVERBOSE for traceback:\n"
+                             "%s: %s\n" % (err.__class__.__name__, err))
+
+
+def _report(what, exc):
+    try:
+        sys.stderr.write("[gemm_patch] ERROR: %s (%s: %s) [start-up hook: gemm-patch run]\n"
+                         % (what, type(exc).__name__, exc))
+    except Exception:
+        pass
+
+
+def _main():
+    try:
+        _run_next_sitecustomize()
+    except Exception as exc:
+        _report("could not look for the sitecustomize this one stands in for", exc)
+    try:
+        import _gemm_patch_startup
+    except Exception as exc:
+        _report("cannot import the start-up hook; this process runs unpatched", exc)
+        return
+    _gemm_patch_startup.start("gemm-patch run")
+
+
+_main()

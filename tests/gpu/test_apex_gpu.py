@@ -119,10 +119,15 @@ def test_16bit_main_grad_accumulates_in_its_own_dtype(dtype):
         total_input, grad_output = operands(tokens, k, n, dtype, seed)
         WgradDispatcher("auto").apex_wgrad(total_input, grad_output, main_grad)
         te_accumulate(total_input, grad_output, theirs)
-        expected = (expected.double() + grad_output.double().t() @ total_input.double()).to(dtype)
-    eps = torch.finfo(dtype).eps
-    torch.testing.assert_close(main_grad.double(), expected.double(), rtol=2 * eps, atol=1e-2)
-    torch.testing.assert_close(main_grad.double(), theirs.double(), rtol=2 * eps, atol=1e-2)
+        expected = expected.double() + grad_output.double().t() @ total_input.double()
+    # A 16-bit buffer is rounded after every pass (and cuBLAS may reduce split-K partials in
+    # 16 bits), so hold it to TE's own accumulate call on the same data: no worse than 1.5x
+    # TE's error against the fp64 sum, and within a few 16-bit ulps overall.
+    ours = ((main_grad.double() - expected).norm() / expected.norm()).item()
+    tes = ((theirs.double() - expected).norm() / expected.norm()).item()
+    print(f"{dtype}: rel. error vs fp64 sum: dispatcher {ours:.2e}, TE accumulate {tes:.2e}")
+    assert ours <= 1.5 * tes + 1e-7, (ours, tes)
+    assert ours < 4 * torch.finfo(dtype).eps, ours
 
 
 # -- megatron-core's own layers, in a fresh interpreter ------------------------------------------

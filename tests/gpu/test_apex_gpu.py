@@ -152,7 +152,7 @@ def test_megatron_layers_built_with_fusion_train_without_apex():
     assert report["apex"] == "provided", report["apex_wgrad"]
     assert report["apex_wgrad"]["state"] == "verified", report["apex_wgrad"]
     assert report["fusion"] == [True, True]
-    assert report["backend"] == "te"
+    assert report["backend"] == "native"  # the default order on a torch with out_dtype matmul
     assert max(report["main_grad_rel_err"]) < 1e-5, report["main_grad_rel_err"]
     assert report["losses"][-1] < report["losses"][0], report["losses"]
     assert proc.returncode == 0

@@ -2,6 +2,11 @@
 """Compare two gradient dumps of examples/train_gpt_fsdp.py --grad-dump, parameter by parameter.
 
     python examples/compare_grads.py GOT.pt REF.pt [--noise REF2.pt] [--bound 0.0078] [--json OUT]
+    python examples/compare_grads.py --batch SPEC.txt --out-dir DIR [--prefix 1gpu_]
+
+``--batch``: one comparison per line of SPEC.txt, ``LABEL GOT REF NOISE`` (NOISE ``-`` for
+none), all in one process (dumps loaded once, memory-mapped); each result goes to
+DIR/compare_<prefix><LABEL>.json; a line whose dump is missing is reported and skipped.
 
 For each parameter: rel = ||g - g_ref|| / ||g_ref|| and ratio = ||g|| / ||g_ref||. A parameter
 fails when rel exceeds its bound: ``--bound`` (default 2**-7, see below), raised to
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -81,34 +87,84 @@ def compare(got: dict, ref: dict, noise: dict | None, bound: float, noise_factor
             "params": len(rows), "failed": failed, "problems": problems, "by_kind": by_kind, "rows": rows}
 
 
+def report(result: dict[str, Any], label: str, quiet: bool) -> None:
+    if not quiet:
+        print(f"{'parameter':<64} {'kind':<15} {'rel diff':>10} {'norm ratio':>10} {'noise':>10}  ok")
+        for r in result["rows"]:
+            noise = f"{r['noise_rel']:.2e}" if r["noise_rel"] is not None else "-"
+            print(f"{r['name']:<64} {r['kind']:<15} {r['rel']:>10.2e} {r['ratio']:>10.4f} {noise:>10}  "
+                  f"{'ok' if r['ok'] else 'FAIL'}")
+    else:
+        for r in result["rows"]:
+            if not r["ok"]:
+                print(f"[{label}] FAIL {r['name']} ({r['kind']}): rel {r['rel']:.2e} ratio {r['ratio']:.4f} "
+                      f"bound {r['bound']:.2e}")
+    for kind, k in sorted(result["by_kind"].items()):
+        print(f"[{label}] {kind:<15} {k['params']:3d} params  max rel {k['max_rel']:.2e}  "
+              f"norm ratio {k['min_ratio']:.4f}..{k['max_ratio']:.4f}  failed {k['failed']}")
+    for line in result["problems"]:
+        print(f"[{label}] PROBLEM {line}")
+    print(f"[{label}] {'PASS' if result['ok'] else 'FAIL'}: {len(result['failed'])} of "
+          f"{result['params']} parameters above their bound (base {result['bound']:.2e}, "
+          f"noise factor {result['noise_factor']})", flush=True)
+
+
+def run_batch(spec: str, out_dir: str, prefix: str, bound: float, noise_factor: float, quiet: bool) -> int:
+    """Every comparison of SPEC; exit status 0 (the verdicts are in the JSON files)."""
+    cache: dict[str, dict] = {}
+
+    def get(path: str) -> dict:
+        if path not in cache:
+            cache[path] = load(path)
+        return cache[path]
+
+    os.makedirs(out_dir, exist_ok=True)
+    with open(spec) as f:
+        lines = [line.split() for line in f if line.strip() and not line.lstrip().startswith("#")]
+    for fields in lines:
+        if len(fields) != 4:
+            print(f"[batch] bad line (want LABEL GOT REF NOISE): {' '.join(fields)}")
+            continue
+        label, got, ref, noise = fields
+        noise = None if noise == "-" else noise
+        missing = [x for x in (got, ref) if not os.path.exists(x)]
+        if missing:
+            print(f"[{prefix}{label}] skipped: dump missing: {' '.join(missing)}", flush=True)
+            continue
+        if noise is not None and not os.path.exists(noise):
+            print(f"[{prefix}{label}] noise dump missing ({noise}): base bound only")
+            noise = None
+        result = compare(get(got), get(ref), get(noise) if noise else None, bound, noise_factor)
+        result.update(label=prefix + label, got=got, ref=ref, noise=noise)
+        report(result, prefix + label, quiet)
+        with open(os.path.join(out_dir, f"compare_{prefix}{label}.json"), "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("got")
-    p.add_argument("ref")
+    p.add_argument("got", nargs="?")
+    p.add_argument("ref", nargs="?")
     p.add_argument("--noise", help="a second dump of the reference configuration (run-to-run noise)")
     p.add_argument("--bound", type=float, default=DEFAULT_BOUND)
     p.add_argument("--noise-factor", type=float, default=3.0)
     p.add_argument("--json", help="write the full comparison here")
     p.add_argument("--label", default="", help="name recorded in the JSON")
     p.add_argument("--quiet", action="store_true", help="print only the per-kind summary and failures")
+    p.add_argument("--batch", help="file of comparisons, one per line: LABEL GOT REF NOISE (NOISE '-' for none)")
+    p.add_argument("--out-dir", default=".", help="--batch: where compare_<prefix><label>.json go")
+    p.add_argument("--prefix", default="", help="--batch: prefix of each label")
     args = p.parse_args(argv)
+    if args.batch:
+        return run_batch(args.batch, args.out_dir, args.prefix, args.bound, args.noise_factor, args.quiet)
+    if not args.got or not args.ref:
+        p.error("GOT and REF are required without --batch")
 
     result = compare(load(args.got), load(args.ref), load(args.noise) if args.noise else None,
                      args.bound, args.noise_factor)
     result.update(label=args.label, got=args.got, ref=args.ref, noise=args.noise)
-    if not args.quiet:
-        print(f"{'parameter':<64} {'kind':<15} {'rel diff':>10} {'norm ratio':>10} {'noise':>10}  ok")
-        for r in result["rows"]:
-            noise = f"{r['noise_rel']:.2e}" if r["noise_rel"] is not None else "-"
-            print(f"{r['name']:<64} {r['kind']:<15} {r['rel']:>10.2e} {r['ratio']:>10.4f} {noise:>10}  "
-                  f"{'ok' if r['ok'] else 'FAIL'}")
-    for kind, k in sorted(result["by_kind"].items()):
-        print(f"[{args.label}] {kind:<15} {k['params']:3d} params  max rel {k['max_rel']:.2e}  "
-              f"norm ratio {k['min_ratio']:.4f}..{k['max_ratio']:.4f}  failed {k['failed']}")
-    for line in result["problems"]:
-        print(f"[{args.label}] PROBLEM {line}")
-    print(f"[{args.label}] {'PASS' if result['ok'] else 'FAIL'}: {len(result['failed'])} of "
-          f"{result['params']} parameters above bound {args.bound:.2e}")
+    report(result, args.label, args.quiet)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

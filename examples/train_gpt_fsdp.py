@@ -31,8 +31,22 @@ How the loop is wired (megatron-core 0.17.1; the same calls as Megatron-LM's pre
   * each step: ``model.zero_grad_buffer()``, ``optimizer.zero_grad()``, forward_backward,
     ``optimizer.step()``.
 
+  * learning rate: megatron-core's ``OptimizerParamScheduler`` (as in Megatron-LM), linear warmup
+    from 0 over ``--lr-warmup-steps`` steps to ``--lr``, then constant; step k trains with
+    ``lr * min(1, k / warmup)``. Adam (0.9, ``--adam-beta2``, eps 1e-8), gradient clipping 1.0.
+
 ``--plan FILE`` runs several configurations one after another in this process (each with
-its own model, optimizer and seeds), which saves the start-up cost per configuration.
+its own model, optimizer and seeds), which saves the start-up cost per configuration. Only the
+first configuration of a process has the GPU to itself: each run records the memory allocated
+right before its model is built (``mem_baseline_bytes``) and its peak above that baseline, and
+says which measurement is clean (``memory_method``). examples/run_e2e.sh starts every timed
+configuration in its own process.
+
+The TE-layer fix (Megatron-FSDP sets ``overwrite_main_grad=True`` on every unsharded parameter,
+which makes TE's fused wgrad overwrite the persistent main_grad buffer) is gemm_patch's
+``fsdp-te-overwrite`` target (off with ``GEMM_PATCH_TE_OVERWRITE=0`` in the process's
+environment); this script only observes its effect (``te_overwrite_flags`` in the JSON) and
+records ``gemm_patch.status()`` after the model is wrapped.
 """
 
 from __future__ import annotations
@@ -50,8 +64,8 @@ from pathlib import Path
 from typing import Any
 
 RUN_KEYS = ("name", "fusion", "main_grads_dtype", "sharding", "steps", "micro_batches", "layers",
-            "hidden", "seq", "vocab", "micro_batch_size", "seed", "lr", "grad_dump", "wgrad_rule",
-            "te_overwrite_fix")
+            "hidden", "seq", "vocab", "micro_batch_size", "seed", "lr", "lr_warmup_steps", "adam_beta2",
+            "grad_dump", "wgrad_rule")
 
 # Weights whose gradient is written by a fused wgrad GEMM straight into main_grad when
 # gradient_accumulation_fusion is on: TE's linear layers, and megatron's ColumnParallelLinear
@@ -78,7 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--main-grads-dtype", choices=("fp32", "bf16"), default="fp32",
                    help="Megatron-FSDP main gradient buffer and gradient communication dtype")
     p.add_argument("--sharding", choices=("optim_grads_params", "no_shard"), default="optim_grads_params")
-    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--steps", type=int, default=16)
     p.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step and rank")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=1024)
@@ -86,8 +100,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=32768)
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--warmup-steps", type=int, default=2, help="steps left out of the medians")
+    p.add_argument("--lr", type=float, default=2e-5,
+                   help="peak learning rate after the warmup (see docs/issue4-notes.md: 2e-4 and up spike)")
+    p.add_argument("--lr-warmup-steps", type=int, default=3,
+                   help="linear warmup from 0: step k uses lr * min(1, k / this)")
+    p.add_argument("--adam-beta2", type=float, default=0.95)
+    p.add_argument("--untimed-steps", type=int, default=2,
+                   help="first steps left out of the step-time medians (kernel selection, allocator)")
     p.add_argument("--out", default="results.json", help="JSON written by rank 0")
     p.add_argument("--grad-dump", default=None,
                    help="after step 1's backward and finalize_model_grads, before the optimizer step: "
@@ -95,9 +114,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--wgrad-rule", choices=("auto", "overwrite", "accumulate"), default="auto",
                    help="diagnostics, needs gemm_patch: force the fused output-layer wgrad to overwrite "
                         "(the pre-fix behaviour) or accumulate instead of gemm_patch's rule")
-    p.add_argument("--te-overwrite-fix", action="store_true",
-                   help="diagnostics: after Megatron-FSDP sets overwrite_main_grad=True on unshard, reset "
-                        "it to False where main_grad is the persistent buffer (the proposed TE-layer fix)")
     p.add_argument("--plan", default=None,
                    help="JSON list of runs, each a dict of the flags above (dest names) overriding the "
                         "command line; all run in this process, one after another")
@@ -168,7 +184,7 @@ def build_configs(run: dict[str, Any]):
         min_lr=run["lr"],
         weight_decay=0.0,
         adam_beta1=0.9,
-        adam_beta2=0.95,
+        adam_beta2=run["adam_beta2"],
         adam_eps=1e-8,
         clip_grad=1.0,
         bf16=True,
@@ -233,7 +249,11 @@ def _persistence_rule():
 @contextlib.contextmanager
 def wgrad_rule(rule: str, counts: dict[str, int]):
     """Count (and optionally force) gemm_patch's accumulate/overwrite decision for the fused
-    output-layer wgrad. A no-op when gemm_patch is not loaded (nothing calls the rule then)."""
+    output-layer wgrad. A no-op when gemm_patch is not loaded (nothing calls the rule then).
+
+    Only calls made by ``WgradDispatcher.fsdp_wgrad`` are counted or forced: gemm_patch's
+    fsdp-te-overwrite target may consult the same rule for the TE layers, and it must keep its
+    own answer (``GEMM_PATCH_TE_OVERWRITE=0`` is the way to turn that one off)."""
     module = sys.modules.get("gemm_patch.dispatcher")
     if module is None or not hasattr(module, "main_grad_is_persistent"):
         if rule != "auto":
@@ -242,11 +262,12 @@ def wgrad_rule(rule: str, counts: dict[str, int]):
         yield
         return
     original = module.main_grad_is_persistent
+    forced = {"auto": None, "overwrite": False, "accumulate": True}[rule]
 
     def counted(param) -> bool:
-        decision = {"auto": None, "overwrite": False, "accumulate": True}[rule]
-        if decision is None:
-            decision = original(param)
+        if sys._getframe(1).f_code.co_name != "fsdp_wgrad":
+            return original(param)
+        decision = original(param) if forced is None else forced
         counts["accumulate" if decision else "overwrite"] += 1
         return decision
 
@@ -258,33 +279,45 @@ def wgrad_rule(rule: str, counts: dict[str, int]):
 
 
 @contextlib.contextmanager
-def te_overwrite_fix(enabled: bool, counts: dict[str, int]):
-    """The proposed TE-layer fix, applied from outside: Megatron-FSDP sets
-    ``overwrite_main_grad = True`` on every parameter it unshards
-    (megatron_fsdp.py:475, MegatronFSDP.all_gather_and_wait_parameters_ready), which TE reads in
-    forward to overwrite main_grad. Reset it where main_grad is the persistent buffer."""
-    if not enabled:
+def observe_te_overwrite(model, counts: dict[str, int]):
+    """Observe, without changing anything, what TE will read in forward: after each
+    ``MegatronFSDP.all_gather_and_wait_parameters_ready`` (which sets
+    ``overwrite_main_grad = True`` on every parameter it unshards, megatron_fsdp.py:475 in
+    0.17.1, and which gemm_patch's fsdp-te-overwrite target wraps), count the parameters whose
+    flag is True although their main_grad is the persistent buffer (the TE-layer bug: only the
+    last micro-batch's weight gradient survives) and those where it is False. The wrapper is
+    installed on the class of the model's own MegatronFSDP instance, over whatever is there
+    (the target's wrapper or megatron's function), and the exact previous attribute is put back."""
+    fsdp_cls = next((type(m) for m in model.modules() if type(m).__name__ == "MegatronFSDP"), None)
+    name = "all_gather_and_wait_parameters_ready"
+    if fsdp_cls is None or not hasattr(fsdp_cls, name):
+        counts["observer"] = "no MegatronFSDP instance in the model"
         yield
         return
-    from megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp import MegatronFSDP
-
     persistent = _persistence_rule()
-    original = MegatronFSDP.__dict__["all_gather_and_wait_parameters_ready"]
+    existed = name in vars(fsdp_cls)
+    previous = vars(fsdp_cls).get(name)
+    current = getattr(fsdp_cls, name) if not existed else previous
+    where = f"{getattr(current, '__module__', '?')}.{getattr(current, '__qualname__', type(current).__name__)}"
+    counts["observer"] = f"{fsdp_cls.__module__}.{fsdp_cls.__qualname__}.{name} = {where}"
 
     def all_gather_and_wait_parameters_ready(self, params, *args, **kwargs):
         params = list(params)
-        result = original(self, params, *args, **kwargs)
+        result = current.__get__(self, type(self))(params, *args, **kwargs)
         for p in params:
-            if getattr(p, "overwrite_main_grad", False) and persistent(p):
-                p.overwrite_main_grad = False
-                counts["reset"] += 1
+            if persistent(p):
+                key = "persistent_flag_true" if getattr(p, "overwrite_main_grad", False) else "persistent_flag_false"
+                counts[key] += 1
         return result
 
-    MegatronFSDP.all_gather_and_wait_parameters_ready = all_gather_and_wait_parameters_ready
+    setattr(fsdp_cls, name, all_gather_and_wait_parameters_ready)
     try:
         yield
     finally:
-        MegatronFSDP.all_gather_and_wait_parameters_ready = original
+        if existed:
+            setattr(fsdp_cls, name, previous)
+        else:
+            delattr(fsdp_cls, name)
 
 
 def install_mesh_helper_if_no_einops() -> bool:
@@ -384,7 +417,7 @@ def dump_gradients(model, path: str, meta: dict[str, Any]) -> dict[str, Any]:
 
 # -- one configuration --------------------------------------------------------------------------
 
-def train_one(run: dict[str, Any], warmup_steps: int) -> dict[str, Any]:
+def train_one(run: dict[str, Any], untimed_steps: int, first_in_process: bool) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -392,6 +425,7 @@ def train_one(run: dict[str, Any], warmup_steps: int) -> dict[str, Any]:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
     from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.module import Float16Module
@@ -401,6 +435,15 @@ def train_one(run: dict[str, Any], warmup_steps: int) -> dict[str, Any]:
     dp_group = parallel_state.get_data_parallel_group()
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     tconfig, ddp_config, opt_config = build_configs(run)
+
+    # Memory baseline: whatever earlier configurations of this process left allocated (nothing
+    # for the first one). Peaks are reported raw and above this baseline.
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    baseline = torch.tensor([torch.cuda.memory_allocated()], device="cuda", dtype=torch.float64)
+    dist.all_reduce(baseline, op=dist.ReduceOp.MAX)
+    mem_baseline = int(baseline.item())
 
     # Same seed -> same initial weights in every configuration (TP = 1: no per-rank offset).
     torch.manual_seed(run["seed"])
@@ -421,6 +464,19 @@ def train_one(run: dict[str, Any], warmup_steps: int) -> dict[str, Any]:
     gpt.cuda(torch.cuda.current_device())
     model = FullyShardedDataParallel(config=tconfig, ddp_config=ddp_config, module=Float16Module(tconfig, gpt))
     optimizer = get_megatron_optimizer(opt_config, [model])
+    # Linear warmup from 0, then constant (megatron-core's scheduler, as Megatron-LM uses it).
+    # It sets every param group's lr at construction (num_steps = 0: lr 0) and on each step(1);
+    # step(1) is called before each optimizer step, so step k trains with lr * min(1, k / W).
+    warmup = max(0, int(run["lr_warmup_steps"]))
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=run["lr"], min_lr=run["lr"], lr_warmup_steps=warmup,
+        lr_decay_steps=max(run["steps"], warmup + 1), lr_decay_style="constant",
+        start_wd=0.0, end_wd=0.0, wd_incr_steps=max(run["steps"], 1), wd_incr_style="constant",
+    )
+    # gemm_patch's state now that Megatron-FSDP is imported and the model wrapped: the
+    # fsdp-te-overwrite target is resolved by now (it is "pending" before the FSDP import).
+    gp = sys.modules.get("gemm_patch")
+    gemm_patch_status = gp.status().as_dict() if gp is not None else None
 
     config = get_model_config(model)
     config.no_sync_func = model.no_sync
@@ -446,13 +502,16 @@ def train_one(run: dict[str, Any], warmup_steps: int) -> dict[str, Any]:
         output = model_(inputs, position_ids, None, labels=labels)
         return output, loss_func
 
-    counts = {"accumulate": 0, "overwrite": 0, "reset": 0}
+    counts: dict[str, Any] = {"accumulate": 0, "overwrite": 0}
+    te_flags: dict[str, Any] = {"persistent_flag_true": 0, "persistent_flag_false": 0}
     steps, dump = [], None
-    with wgrad_rule(run["wgrad_rule"], counts), te_overwrite_fix(run["te_overwrite_fix"], counts):
+    with observe_te_overwrite(model, te_flags), wgrad_rule(run["wgrad_rule"], counts):
         for step in range(1, run["steps"] + 1):
             batch = data.global_batch(step, dp_size * m * mbs)
             local = batch[dp_rank * m * mbs:(dp_rank + 1) * m * mbs].cuda(non_blocking=True)
             micro = [local[i * mbs:(i + 1) * mbs] for i in range(m)]
+            scheduler.step(1)
+            lr = _first_lr(optimizer)
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
@@ -462,11 +521,15 @@ def train_one(run: dict[str, Any], warmup_steps: int) -> dict[str, Any]:
                 forward_step_func=forward_step, data_iterator=iter(micro), model=[model],
                 num_microbatches=m, seq_length=run["seq"], micro_batch_size=mbs, forward_only=False,
             )
-            paused = 0.0
+            paused, peak_before_dump = 0.0, 0
             if step == 1 and run["grad_dump"]:
+                # The dump's gather buffers are not training memory: keep them out of the peak.
                 torch.cuda.synchronize()
                 t_pause = time.perf_counter()
+                peak_before_dump = torch.cuda.max_memory_allocated()
                 dump = dump_gradients(model, run["grad_dump"], {"run": run, "world_size": world})
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
                 paused = time.perf_counter() - t_pause
             update_ok, grad_norm, _ = optimizer.step()
             torch.cuda.synchronize()
@@ -474,7 +537,8 @@ def train_one(run: dict[str, Any], warmup_steps: int) -> dict[str, Any]:
 
             loss = torch.stack([x["lm loss"] for x in losses]).mean()
             dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=dp_group)
-            peak = torch.tensor([torch.cuda.max_memory_allocated()], device="cuda", dtype=torch.float64)
+            peak = torch.tensor([max(peak_before_dump, torch.cuda.max_memory_allocated())], device="cuda",
+                                dtype=torch.float64)
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
             record = {
                 "step": step,
@@ -482,6 +546,8 @@ def train_one(run: dict[str, Any], warmup_steps: int) -> dict[str, Any]:
                 "step_time_s": step_time,
                 "tokens_per_s": tokens_per_step / step_time,
                 "peak_mem_bytes": int(peak.item()),
+                "peak_mem_above_baseline_bytes": int(peak.item()) - mem_baseline,
+                "lr": lr,
                 "grad_norm": None if grad_norm is None else float(grad_norm),
                 "update_ok": bool(update_ok),
             }
@@ -489,14 +555,22 @@ def train_one(run: dict[str, Any], warmup_steps: int) -> dict[str, Any]:
             if rank == 0:
                 print(f"[{run['name']}] step {step:3d} loss {record['loss']:.4f} "
                       f"time {step_time * 1e3:7.1f} ms  {record['tokens_per_s']:,.0f} tok/s  "
-                      f"peak {record['peak_mem_bytes'] / 2**30:.2f} GiB  grad_norm {record['grad_norm']}",
+                      f"peak {record['peak_mem_bytes'] / 2**30:.2f} GiB  lr {lr:.2e}  "
+                      f"grad_norm {record['grad_norm']}",
                       flush=True)
 
-    timed = steps[warmup_steps:] if len(steps) > warmup_steps else steps
+    timed = steps[untimed_steps:] if len(steps) > untimed_steps else steps
     summary = {
         "median_step_time_s": statistics.median(s["step_time_s"] for s in timed),
         "median_tokens_per_s": statistics.median(s["tokens_per_s"] for s in timed),
         "peak_mem_bytes": max(s["peak_mem_bytes"] for s in steps),
+        "peak_mem_above_baseline_bytes": max(s["peak_mem_above_baseline_bytes"] for s in steps),
+        "mem_baseline_bytes": mem_baseline,
+        # "own process": the first configuration of its process, nothing else allocated before
+        # it; "baseline-subtracted": later in a shared process, where earlier configurations
+        # may leave memory behind (use peak_mem_above_baseline_bytes).
+        "memory_method": "own process" if first_in_process else "baseline-subtracted (shared process)",
+        "first_loss": steps[0]["loss"],
         "final_loss": steps[-1]["loss"],
         "timed_steps": len(timed),
     }
@@ -507,8 +581,9 @@ def train_one(run: dict[str, Any], warmup_steps: int) -> dict[str, Any]:
     for key in ("no_sync_func", "grad_sync_func", "param_sync_func", "finalize_model_grads_func",
                 "grad_scale_func"):
         setattr(config, key, None)
-    del optimizer, model, gpt, forward_backward
+    del scheduler, optimizer, model, gpt, forward_backward, config
     gc.collect()
+    torch.cuda.synchronize()
     torch.cuda.empty_cache()
     dist.barrier()
     return {
@@ -520,9 +595,21 @@ def train_one(run: dict[str, Any], warmup_steps: int) -> dict[str, Any]:
         "summary": summary,
         "grad_dump": dump,
         "wgrad_decisions": {"output_layer_accumulate": counts["accumulate"],
-                            "output_layer_overwrite": counts["overwrite"],
-                            "te_overwrite_main_grad_reset": counts["reset"]},
+                            "output_layer_overwrite": counts["overwrite"]},
+        # After each unshard: parameters with a persistent main_grad whose overwrite_main_grad is
+        # still True (TE overwrites them: the bug) or False (TE accumulates: fixed or never set).
+        "te_overwrite_flags": te_flags,
+        "gemm_patch_te_overwrite_env": os.environ.get("GEMM_PATCH_TE_OVERWRITE"),
+        "gemm_patch_after_wrap": gemm_patch_status,
     }
+
+
+def _first_lr(optimizer) -> float | None:
+    for group in optimizer.param_groups:
+        lr = group.get("lr")
+        if lr is not None:
+            return float(lr)
+    return None
 
 
 # -- driver -------------------------------------------------------------------------------------
@@ -545,19 +632,24 @@ def environment() -> dict[str, Any]:
         "gpus_visible": torch.cuda.device_count(),
         "gemm_patch": gp.status().as_dict() if gp is not None else None,
         "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
-                                               "CUDA_DEVICE_MAX_CONNECTIONS", "GEMM_PATCH",
-                                               "GEMM_PATCH_BACKEND", "GEMM_PATCH_AUTO")},
+                                               "CUDA_DEVICE_MAX_CONNECTIONS", "CUDA_VISIBLE_DEVICES",
+                                               "GEMM_PATCH", "GEMM_PATCH_BACKEND", "GEMM_PATCH_AUTO",
+                                               "GEMM_PATCH_TE_OVERWRITE")},
     }
 
 
 def check_patched() -> None:
     import megatron.core.tensor_parallel.layers  # noqa: F401  (gemm_patch patches on import)
+    import torch.distributed as dist
 
     gp = sys.modules.get("gemm_patch")
     if gp is None:
         raise SystemExit("--require-patch: gemm_patch is not loaded in this process "
                          "(start it with `gemm-patch run -- torchrun ...`)")
     states = {t.name: t.state for t in gp.status().targets}
+    if dist.get_rank() == 0:
+        print(f"[gemm_patch] targets before the model is built: {states} "
+              f"(GEMM_PATCH_TE_OVERWRITE={os.environ.get('GEMM_PATCH_TE_OVERWRITE')!r})", flush=True)
     if states.get("fsdp-wgrad") not in ("verified", "unverified"):
         raise SystemExit(f"--require-patch: fsdp-wgrad target is {states.get('fsdp-wgrad')!r}")
 
@@ -591,8 +683,10 @@ def main(argv: list[str] | None = None) -> int:
         **environment(),
         "runs": [],
     }
-    for run in runs:
-        results["runs"].append(train_one(run, args.warmup_steps))
+    for i, run in enumerate(runs):
+        results["runs"].append(train_one(run, args.untimed_steps, first_in_process=i == 0))
+        if results["runs"][-1]["gemm_patch_after_wrap"] is not None:
+            results["gemm_patch_after_wrap"] = results["runs"][-1]["gemm_patch_after_wrap"]
         if dist.get_rank() == 0:  # written after every run: a later crash keeps the earlier ones
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(results, indent=1))

@@ -1,4 +1,5 @@
-"""Print the fingerprint of each target (call site, apex usage) in the megatron-core found on sys.path.
+"""Print the fingerprint of each target (call site, apex usage, Megatron-FSDP's
+overwrite_main_grad method) in the megatron-core (and megatron-fsdp) found on sys.path.
 
     PYTHONPATH=/path/to/megatron-core python compat/fingerprint.py
 
@@ -15,14 +16,30 @@ os.environ["GEMM_PATCH"] = "0"  # look at the unpatched source
 
 from gemm_patch import detection  # noqa: E402
 from gemm_patch.apex_analysis import analyse as analyse_apex  # noqa: E402
-from gemm_patch.callsite import CallSiteError, analyse  # noqa: E402
-from gemm_patch.targets import TARGETS  # noqa: E402
+from gemm_patch.callsite import CallSiteError, analyse, analyse_statement  # noqa: E402
+from gemm_patch.targets import TARGETS, OverwriteFlagTarget  # noqa: E402
 
 
 def main() -> int:
     for target in TARGETS:
-        module = importlib.import_module(target.module)
-        version = detection.distribution_version("megatron-core")
+        version = detection.distribution_version(target.distribution)
+        try:
+            module = importlib.import_module(target.module)
+        except ImportError as exc:
+            print(f"{target.name} {target.distribution} {version}: not importable ({exc})")
+            continue
+        if isinstance(target, OverwriteFlagTarget):
+            try:
+                found = analyse_statement(module, target.owner, target.attribute, target.statement)
+            except CallSiteError as exc:
+                print(f"{target.name} {version}: {exc}")
+                continue
+            if found is None:
+                print(f"{target.name} {version}: {target.module} has no {target.owner}.{target.attribute}")
+                continue
+            print(f'{target.name} "{version}": "{found.fingerprint}",  # {target.distribution}, '
+                  f'{len(found.matches)} `{target.statement}`')
+            continue
         if hasattr(target, "extension"):
             usage = analyse_apex(module, target.extension, target.flag, target.calls)
             print(f'{target.name} "{version}": "{usage.fingerprint}",  # {len(usage.calls)} call(s), '

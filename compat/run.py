@@ -33,6 +33,7 @@ class ReleaseResult:
     version: str
     expect: str
     expect_apex: str
+    expect_te_overwrite: str
     passed: int = 0
     failed: int = 0
     skipped: int = 0
@@ -40,6 +41,7 @@ class ReleaseResult:
     failures: list[str] = field(default_factory=list)
     state: str = "?"
     apex_state: str = "?"
+    te_overwrite_state: str = "?"
 
     @property
     def ok(self) -> bool:
@@ -77,13 +79,14 @@ def release_env(version: str) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(path)
     env["GEMM_PATCH_EXPECT"] = release(version)["expect"]
     env["GEMM_PATCH_EXPECT_APEX"] = release(version)["expect_apex"]
+    env["GEMM_PATCH_EXPECT_TE_OVERWRITE"] = release(version)["expect_te_overwrite"]
     env["PYTHONWARNINGS"] = "ignore"
     return env
 
 
 def run_release(version: str, extra_args: tuple[str, ...] = ()) -> ReleaseResult:
     entry = release(version)
-    result = ReleaseResult(version, entry["expect"], entry["expect_apex"])
+    result = ReleaseResult(version, entry["expect"], entry["expect_apex"], entry["expect_te_overwrite"])
     junit = CACHE / f"junit-{version}.xml"
     junit.parent.mkdir(parents=True, exist_ok=True)
     env = release_env(version)
@@ -107,13 +110,16 @@ def run_release(version: str, extra_args: tuple[str, ...] = ()) -> ReleaseResult
         else:
             result.passed += 1
     state = subprocess.run(
-        [sys.executable, "-c", "import json, gemm_patch, megatron.core.tensor_parallel.layers; "
+        [sys.executable, "-c", "import json, gemm_patch, megatron.core.tensor_parallel.layers\n"
+         "try:\n    import megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp\n"
+         "except ImportError:\n    pass\n"
          "print(json.dumps({t.name: t.state for t in gemm_patch.status().targets}))"],
         env=env, cwd=ROOT, capture_output=True, text=True,
     )
     states = json.loads(state.stdout) if state.returncode == 0 else {}
     result.state = states.get("fsdp-wgrad", "import failed")
     result.apex_state = states.get("apex-wgrad", "import failed")
+    result.te_overwrite_state = states.get("fsdp-te-overwrite", "import failed")
     if proc.returncode != 0 and not result.failures:
         result.failed += 1
         result.failures.append(proc.stdout[-2000:])
@@ -139,13 +145,17 @@ def write_report(results: list[ReleaseResult]) -> None:
         "through the stand-in, megatron's own error when switched off or reverted, fp32 main_grad "
         "over two passes against fp64 (1e-6), bf16 main_grad in bf16, deferred embedding wgrad, "
         "a (simulated) real apex used untouched",
+        "- fsdp-te-overwrite: Megatron-FSDP's own all_gather_and_wait_parameters_ready run through the "
+        "wrapper (overwrite_main_grad reset for persistent buffers, kept for sharded multi-rank ones), "
+        "revert by identity, GEMM_PATCH_TE_OVERWRITE=0, summary lines, strict mode",
         "",
-        "| megatron-core | expected | fsdp-wgrad state | apex expected | apex-wgrad state | tests passed "
-        "| failed | skipped | time (s) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| megatron-core | expected | fsdp-wgrad state | apex expected | apex-wgrad state "
+        "| te-overwrite expected | fsdp-te-overwrite state | tests passed | failed | skipped | time (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         lines.append(f"| {r.version} | {r.expect} | {r.state} | {r.expect_apex} | {r.apex_state} | "
+                     f"{r.expect_te_overwrite} | {r.te_overwrite_state} | "
                      f"{r.passed} | {r.failed} | {r.skipped} | {r.seconds:.1f} |")
     failures = [f"- {r.version}: {', '.join(r.failures)}" for r in results if r.failures]
     if failures:
@@ -160,6 +170,7 @@ def main(argv: list[str]) -> int:
         r = run_release(version)
         results.append(r)
         print(f"megatron-core {version:<8} {'ok ' if r.ok else 'FAIL'} state={r.state} apex={r.apex_state} "
+              f"te-overwrite={r.te_overwrite_state} "
               f"passed={r.passed} failed={r.failed} skipped={r.skipped} ({r.seconds:.1f}s)", flush=True)
         for failure in r.failures:
             print("   ", failure)

@@ -34,7 +34,7 @@ class AnalysedFunction:
     module: types.ModuleType
     funcdef: ast.FunctionDef
     fingerprint: str
-    matches: list[ast.Call]
+    matches: list[ast.AST]  # the matched calls (``analyse``) or statements (``analyse_statement``)
 
 
 # Fields whose presence depends on the Python version, not on the code (3.12 added
@@ -65,8 +65,9 @@ def fingerprint(*nodes: ast.AST | None) -> str:
     return hashlib.sha256(dump.encode()).hexdigest()[:16]
 
 
-def analyse(module: types.ModuleType, owner: str, attribute: str, call: str) -> AnalysedFunction:
-    """Parse ``owner.attribute`` out of the module's source and find every ``call`` in it."""
+def parse_method(module: types.ModuleType, owner: str, attribute: str) -> ast.FunctionDef | None:
+    """``owner.attribute`` parsed out of the module's source; None where the module has no such
+    method; CallSiteError where there is no source to read."""
     try:
         source = inspect.getsource(module)
     except (OSError, TypeError) as exc:
@@ -74,8 +75,12 @@ def analyse(module: types.ModuleType, owner: str, attribute: str, call: str) -> 
             f"no source for {module.__name__} ({exc}); a bytecode-only install cannot be "
             "checked, so it is left untouched"
         ) from None
-    tree = ast.parse(source)
-    funcdef = _find_method(tree, owner, attribute)
+    return _find_method(ast.parse(source), owner, attribute)
+
+
+def analyse(module: types.ModuleType, owner: str, attribute: str, call: str) -> AnalysedFunction:
+    """Parse ``owner.attribute`` out of the module's source and find every ``call`` in it."""
+    funcdef = parse_method(module, owner, attribute)
     if funcdef is None:
         raise CallSiteError(f"{module.__name__} has no {owner}.{attribute}")
     template = ast.dump(ast.parse(call, mode="eval").body)
@@ -84,6 +89,20 @@ def analyse(module: types.ModuleType, owner: str, attribute: str, call: str) -> 
         for node in ast.walk(funcdef)
         if isinstance(node, ast.Expr) and ast.dump(node.value) == template
     ]
+    return AnalysedFunction(module, funcdef, fingerprint(funcdef), matches)
+
+
+def analyse_statement(module: types.ModuleType, owner: str, attribute: str,
+                      statement: str) -> AnalysedFunction | None:
+    """Parse ``owner.attribute`` out of the module's source and find every occurrence of the
+    simple statement ``statement`` (compared as ASTs, so formatting and comments do not matter)
+    at any depth in it; None where the module has no such method."""
+    funcdef = parse_method(module, owner, attribute)
+    if funcdef is None:
+        return None
+    template = canonical_dump(ast.parse(statement).body[0])
+    matches = [node for node in ast.walk(funcdef)
+               if isinstance(node, ast.stmt) and canonical_dump(node) == template]
     return AnalysedFunction(module, funcdef, fingerprint(funcdef), matches)
 
 

@@ -27,6 +27,7 @@ class Config:
     log_level: str = "INFO"
     apex_shim: bool = True
     auto: bool = False
+    te_overwrite: bool = True  # GEMM_PATCH_TE_OVERWRITE: the fsdp-te-overwrite targets
 
 
 def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
@@ -76,4 +77,5 @@ def load(env: Mapping[str, str] | None = None) -> Config:
         log_level=_choice(env, "GEMM_PATCH_LOG_LEVEL", LOG_LEVEL_CHOICES, "INFO", str.upper),
         apex_shim=_flag(env, "GEMM_PATCH_APEX", True),
         auto=_flag(env, "GEMM_PATCH_AUTO", False),
+        te_overwrite=_flag(env, "GEMM_PATCH_TE_OVERWRITE", True),
     )

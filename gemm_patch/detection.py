@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
-from importlib import metadata
+from importlib import machinery, metadata, util
 
 # Distribution names to try per component, first found wins (TE ships under several names).
 DISTRIBUTIONS: dict[str, tuple[str, ...]] = {
@@ -42,6 +42,35 @@ def distribution_version(component: str) -> str | None:
         except metadata.PackageNotFoundError:
             continue
     return None
+
+
+def module_findable(name: str) -> bool | None:
+    """Whether ``import name`` would find a module, decided without importing anything, once
+    its top-level package is imported (None before that, or when a finder fails). Each level
+    not imported yet is looked up in the ``__path__`` of the level above."""
+    parts = name.split(".")
+    top = sys.modules.get(parts[0])
+    if top is None:
+        return None
+    path = getattr(top, "__path__", None)
+    for depth in range(2, len(parts) + 1):
+        if path is None:
+            return False  # a plain module where a package would be needed
+        full = ".".join(parts[:depth])
+        module = sys.modules.get(full)
+        if module is not None:
+            path = getattr(module, "__path__", None)
+            continue
+        try:
+            spec = machinery.PathFinder.find_spec(full, list(path))
+            if spec is None and full.rpartition(".")[0] in sys.modules:
+                spec = util.find_spec(full)  # other finders; the parent is imported already
+        except (ImportError, ValueError):
+            return None
+        if spec is None:
+            return False
+        path = spec.submodule_search_locations
+    return True
 
 
 def installed_versions() -> dict[str, str | None]:

@@ -21,6 +21,7 @@ from . import config, detection
 from .targets import (
     APEX_WGRAD,
     APEX_WORDS,
+    NOT_APPLICABLE,
     OFF,
     PENDING,
     SKIPPED,
@@ -41,7 +42,9 @@ _hooked: set[str] = set()
 _undo: dict[str, Undo] = {}
 _states: dict[str, TargetStatus] = {}
 _config_error: str | None = None
-_summary_logged = False
+_summary_logged = False  # the once-per-process summary line
+_late_logged = False  # the one extra line for targets whose module was imported after it
+_logged_targets: set[str] = set()
 
 
 class GemmPatchError(RuntimeError):
@@ -81,8 +84,9 @@ class Status:
             lines.append(f"  configuration error: {self.config_error}")
         installed = ", ".join(f"{k} {v}" for k, v in self.versions.items() if v is not None)
         lines.append(f"  installed: {installed or 'none of megatron-core, TE, torch, NeMo'}")
+        width = max([12, *(len(t.name) for t in self.targets)])
         for t in self.targets:
-            lines.append(f"  {t.name:<12} {t.state:<15} {t.reason}")
+            lines.append(f"  {t.name:<{width}} {t.state:<15} {t.reason}")
         lines.append(f"  apex: {self.apex}: {APEX_WORDS.get(self.apex, '')}")
         if self.backends:
             lines.append(f"  backends: {' > '.join(self.backends.get('order', []))}"
@@ -188,31 +192,56 @@ def _on_import(module: types.ModuleType) -> None:
             _log_summary(done)
 
 
+# Top-level package of a target module -> the component whose version keys its fingerprints.
+_COMPONENTS = {"megatron": "megatron-core", "megatron_fsdp": "megatron-fsdp"}
+
+
 def _distribution_version(module: types.ModuleType) -> str | None:
-    top = module.__name__.split(".")[0]
-    if top == "megatron":
-        return detection.distribution_version("megatron-core")
-    return None
+    component = _COMPONENTS.get(module.__name__.split(".")[0])
+    return detection.distribution_version(component) if component else None
 
 
 def _log_summary(done: list[TargetStatus]) -> None:
-    global _summary_logged
+    """One line per process (rank 0 at INFO, other ranks at DEBUG) for the targets patched
+    first, and at most one more for targets first seen later (Megatron-FSDP's module is imported
+    by ``megatron.core.distributed``, before or after the layers module, or not at all; any
+    further ones at DEBUG); a re-apply after revert() logs nothing new."""
+    global _summary_logged, _late_logged
     level = logging.INFO if detection.process_rank() == 0 else logging.DEBUG
     for st in done:
         if st.state == UNVERIFIED:
             log.warning("%s patched but unverified: %s", st.name, st.reason)
-    if _summary_logged:
+    new = [st for st in done if st.name not in _logged_targets]
+    _logged_targets.update(st.name for st in done)
+    if _summary_logged and not new:
         return
-    _summary_logged = True
     parts = ", ".join(apex_summary(st) if st.name == APEX_WGRAD.name else f"{st.name} {st.state}"
-                      for st in done)
-    log.log(level, "megatron-core %s: %s; %s", done[0].version, parts, _backend_summary())
+                      for st in (new if _summary_logged else done))
+    component = _COMPONENTS.get(done[0].module.split(".")[0], "megatron-core")
+    if not _summary_logged:
+        _summary_logged = True
+        log.log(level, "%s %s: %s; %s", component, done[0].version, parts, _backend_summary())
+    else:
+        level = logging.DEBUG if _late_logged else level
+        _late_logged = True
+        log.log(level, "%s %s: %s", component, done[0].version, parts)
 
 
 def _backend_summary() -> str:
     from .dispatcher import active_dispatcher
 
     return "backends " + ">".join(active_dispatcher().order)
+
+
+def _resolve_pending(target: Any, st: TargetStatus | None) -> TargetStatus | None:
+    """A pending target whose module cannot exist in what is installed (its package is imported
+    but has no such module: megatron-core 0.13.1 has no Megatron-FSDP) reads as not applicable;
+    its hook stays registered, so a module that turns up later is still patched."""
+    if st is None or st.state != PENDING or detection.module_findable(target.module) is not False:
+        return st
+    version = detection.distribution_version(target.distribution)
+    return TargetStatus(st.name, st.module, NOT_APPLICABLE,
+                        f"{target.distribution} {version} has no module {target.module}", version)
 
 
 def status() -> Status:
@@ -225,7 +254,8 @@ def status() -> Status:
         except config.ConfigError:
             cfg = config.Config()
         targets = [
-            _states.get(t.name) or TargetStatus(t.name, t.module, OFF, "gemm_patch.apply() not called")
+            _resolve_pending(t, _states.get(t.name))
+            or TargetStatus(t.name, t.module, OFF, "gemm_patch.apply() not called")
             for t in TARGETS
         ]
         backends: dict[str, Any] = {}

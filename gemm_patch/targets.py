@@ -267,7 +267,148 @@ APEX_WGRAD = ApexWgradTarget(
     },
 )
 
-TARGETS: tuple[CallSiteTarget | ApexWgradTarget, ...] = (FSDP_WGRAD, APEX_WGRAD)
+@dataclass(frozen=True)
+class OverwriteFlagTarget:
+    """Undo ``statement`` (``param.overwrite_main_grad = True``) of ``owner.attribute`` where it
+    is wrong: after each call, reset the flag of every parameter of the ``params`` argument whose
+    ``main_grad`` is Megatron-FSDP's persistent gradient buffer.
+
+    Megatron-FSDP sets the flag on every parameter it unshards; Transformer Engine's linear
+    layers read it in forward and then overwrite ``main_grad`` in backward instead of adding to
+    it. Over a persistent buffer (``dispatcher.main_grad_is_persistent``: ``no_shard``/``optim``,
+    or any strategy on one data-parallel rank) that keeps only the last micro-batch.
+    """
+
+    name: str
+    distribution: str
+    module: str
+    owner: str
+    attribute: str
+    statement: str
+    fingerprints: Mapping[str, str]  # release -> fingerprint of the unpatched method
+
+    def patch(self, module: types.ModuleType, version: str | None, strict: bool) -> tuple[TargetStatus, Undo]:
+        from . import config
+        from .callsite import CallSiteError, analyse_statement
+
+        def status(state: str, reason: str, fp: str | None = None) -> TargetStatus:
+            return TargetStatus(self.name, self.module, state, reason, version, fp)
+
+        where = f"{self.owner}.{self.attribute}"
+        if not config.load().te_overwrite:
+            return status(OFF, f"GEMM_PATCH_TE_OVERWRITE=0: `{self.statement}` of {where} left as "
+                               "it is (TE layers overwrite a persistent main_grad)"), Undo()
+        try:
+            analysed = analyse_statement(module, self.owner, self.attribute, self.statement)
+        except CallSiteError as exc:
+            return status(SKIPPED, str(exc)), Undo()
+        if analysed is None or not isinstance(vars(module).get(self.owner), type) \
+                or self.attribute not in vars(vars(module)[self.owner]):
+            return status(NOT_APPLICABLE, f"{module.__name__} has no {where}"), Undo()
+        fp = analysed.fingerprint
+        if not analysed.matches:
+            return status(NOT_APPLICABLE, f"no `{self.statement}` in {where}", fp), Undo()
+        known = self.fingerprints.get(public_version(version))
+        if known == fp:
+            state, reason = VERIFIED, f"{where}: method matches {self.distribution} {version}"
+        else:
+            state = UNVERIFIED
+            reason = (f"{where}: {self.distribution} {version} is not a verified release" if known is None
+                      else f"{where}: source differs from {self.distribution} {version} (fingerprint "
+                           f"{fp}, release {known})") + f"; `{self.statement}` is still there"
+            if strict:
+                raise UnverifiedRefused(f"{self.name}: {reason}; refused because GEMM_PATCH_STRICT=1")
+        owner = getattr(module, self.owner)
+        original = vars(owner)[self.attribute]
+        undo = Undo()
+        undo.set(owner, self.attribute, PatchedOverwriteFlag(original, self.name))
+        return status(state, reason, fp), undo
+
+
+def _params_argument(args: tuple, kwargs: dict) -> tuple[Any, tuple, dict]:
+    """The ``params`` argument (first after self), as a list where it was a one-shot iterator
+    (the original walks it twice, and so does the reset)."""
+    if args:
+        params, rest = args[0], args[1:]
+        if iter(params) is params:
+            params = list(params)
+        return params, (params, *rest), kwargs
+    params = kwargs.get("params", ())
+    if iter(params) is params:
+        params = list(params)
+        kwargs = {**kwargs, "params": params}
+    return params, args, kwargs
+
+
+class PatchedOverwriteFlag(wrapt.FunctionWrapper):
+    """The installed object: a wrapt FunctionWrapper around the original (``__wrapped__`` is
+    it). A call runs the original, then sets ``overwrite_main_grad = False`` on each parameter
+    of ``params`` that has it set and whose main_grad is the persistent buffer; parameters with
+    fresh per-backward buckets keep the original's True. ``resets`` counts the flags reset."""
+
+    def __init__(self, original: Any, target: str) -> None:
+        super().__init__(original, self._reset_after)
+        self._self_gemm_patch_target = target
+        self._self_resets = 0
+
+    @property
+    def resets(self) -> int:
+        return self._self_resets
+
+    def _reset_after(self, wrapped, instance, args, kwargs):
+        from . import dispatcher
+
+        params, args, kwargs = _params_argument(args, kwargs)
+        result = wrapped(*args, **kwargs)
+        for param in params:
+            if getattr(param, "overwrite_main_grad", False) and dispatcher.main_grad_is_persistent(param):
+                param.overwrite_main_grad = False
+                self._self_resets += 1
+        return result
+
+
+_FSDP_TE_OVERWRITE_STATEMENT = "param.overwrite_main_grad = True"
+
+FSDP_TE_OVERWRITE = OverwriteFlagTarget(
+    name="fsdp-te-overwrite",
+    distribution="megatron-core",
+    module="megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp",
+    owner="MegatronFSDP",
+    attribute="all_gather_and_wait_parameters_ready",
+    statement=_FSDP_TE_OVERWRITE_STATEMENT,
+    fingerprints={
+        # 0.13.1 has no such module (custom_fsdp sets no flag), 0.14.0 no such statement:
+        # not applicable, nothing to record.
+        "0.15.3": "cc3e6cbc490ab4f5",
+        "0.16.1": "3c8b4af212ce4004",  # + the bwd argument
+        "0.17.1": "3c8b4af212ce4004",
+        "0.18.2": "3c8b4af212ce4004",
+        "0.19.2": "3c8b4af212ce4004",
+    },
+)
+
+# The same class shipped on its own (PyPI megatron-fsdp, imported as ``megatron_fsdp``); its
+# releases are keyed by megatron-fsdp's version. Checked against the PyPI wheels.
+MFSDP_TE_OVERWRITE = OverwriteFlagTarget(
+    name="mfsdp-te-overwrite",
+    distribution="megatron-fsdp",
+    module="megatron_fsdp.megatron_fsdp",
+    owner="MegatronFSDP",
+    attribute="all_gather_and_wait_parameters_ready",
+    statement=_FSDP_TE_OVERWRITE_STATEMENT,
+    fingerprints={
+        "0.2.3": "cc3e6cbc490ab4f5",  # = megatron-core 0.15.3's copy
+        "0.3.1": "3c8b4af212ce4004",
+        "0.4.0": "3c8b4af212ce4004",
+        "0.5.1": "3c8b4af212ce4004",
+        "0.6.1": "3c8b4af212ce4004",
+    },
+)
+
+OVERWRITE_TARGETS = (FSDP_TE_OVERWRITE, MFSDP_TE_OVERWRITE)
+
+TARGETS: tuple[CallSiteTarget | ApexWgradTarget | OverwriteFlagTarget, ...] = (
+    FSDP_WGRAD, APEX_WGRAD, FSDP_TE_OVERWRITE, MFSDP_TE_OVERWRITE)
 
 # status()'s one word on apex (JSON "apex"), and what it means (text and summary line).
 APEX_WORDS = {

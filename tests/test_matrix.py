@@ -22,6 +22,7 @@ def test_release(version):
     assert result.ok, f"megatron-core {version}: {result.failures}"
     assert result.state == result.expect
     assert result.apex_state == result.expect_apex
+    assert result.te_overwrite_state == result.expect_te_overwrite
 
 
 def teardown_module(module):

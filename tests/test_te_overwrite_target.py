@@ -1,0 +1,254 @@
+"""The fsdp-te-overwrite targets' gate and wrapper on synthetic modules shaped like
+Megatron-FSDP's (no megatron needed; tests/megatron runs them against every release), the
+summary-line rule, and the standalone megatron-fsdp package where it is importable."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import logging
+import sys
+import textwrap
+import types
+
+import pytest
+
+from gemm_patch import config, detection, patcher
+from gemm_patch.callsite import analyse_statement
+from gemm_patch.targets import (
+    FSDP_TE_OVERWRITE,
+    MFSDP_TE_OVERWRITE,
+    TARGETS,
+    PatchedOverwriteFlag,
+    TargetStatus,
+    UnverifiedRefused,
+)
+
+torch = pytest.importorskip("torch")
+
+METHOD = "all_gather_and_wait_parameters_ready"
+SOURCE = '''
+class MegatronFSDP:
+    def __init__(self, strategy):
+        self.data_parallel_sharding_strategy = strategy
+        self.calls = []
+
+    def all_gather_and_wait_parameters_ready(self, params, prefetch=True, bwd=False):
+        """Megatron-FSDP's shape: early return for no_shard, then two passes over params."""
+        if self.data_parallel_sharding_strategy == "no_shard":
+            return
+        self.calls.append(list(params))
+        for param in params:
+            param.grad_added_to_main_grad = False
+            param.__fsdp_param__ = True
+            # TE: overwrite instead of accumulate
+            param.overwrite_main_grad   =   True
+'''
+
+
+@pytest.fixture
+def load(tmp_path):
+    def load(source: str, name: str = "fake_megatron_fsdp"):
+        path = tmp_path / f"{name}.py"
+        path.write_text(textwrap.dedent(source))
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    return load
+
+
+def target_for(module, **changes):
+    found = analyse_statement(module, "MegatronFSDP", METHOD, FSDP_TE_OVERWRITE.statement)
+    return dataclasses.replace(FSDP_TE_OVERWRITE, fingerprints={"9.9.9": found.fingerprint}, **changes)
+
+
+def param(distributed: bool | None):
+    p = torch.nn.Parameter(torch.zeros(2, 2))
+    if distributed is not None:
+        p._gbuf = types.SimpleNamespace(is_data_distributed=distributed)
+    return p
+
+
+def test_verified_resets_persistent_only_and_undoes_exactly(load):
+    module = load(SOURCE)
+    cls = module.MegatronFSDP
+    original = vars(cls)[METHOD]
+    st, undo = target_for(module).patch(module, "9.9.9", strict=True)
+    assert st.state == "verified" and st.fingerprint, st.reason
+    installed = vars(cls)[METHOD]
+    assert isinstance(installed, PatchedOverwriteFlag) and installed.__wrapped__ is original
+    persistent, fresh, plain = param(False), param(True), param(None)
+    obj = cls("optim_grads_params")
+    obj.all_gather_and_wait_parameters_ready(iter([persistent, fresh, plain]))  # a one-shot iterator
+    assert obj.calls == [[persistent, fresh, plain]]
+    assert persistent.overwrite_main_grad is False
+    assert fresh.overwrite_main_grad is True and plain.overwrite_main_grad is True
+    assert persistent.__fsdp_param__ is True and installed.resets == 1
+    undo.run()
+    assert vars(cls)[METHOD] is original
+    persistent.overwrite_main_grad = None
+    obj.all_gather_and_wait_parameters_ready([persistent])
+    assert persistent.overwrite_main_grad is True  # the upstream behaviour again
+
+
+def test_the_wrapper_is_what_makes_the_difference(load):
+    """The reset comes from the wrapper: with the wrapped function replaced by a recorder
+    nothing but the reset happens, and with no wrapper the flag stays."""
+    module = load(SOURCE)
+    st, undo = target_for(module).patch(module, "9.9.9", strict=True)
+    seen = []
+    wrapper = PatchedOverwriteFlag(lambda self, params, **kw: seen.append(list(params)), "t")
+    p = param(False)
+    p.overwrite_main_grad = True
+    wrapper.__get__(module.MegatronFSDP("optim"))([p])
+    assert seen == [[p]] and p.overwrite_main_grad is False
+    undo.run()
+
+
+def test_no_shard_adds_no_attribute(load):
+    module = load(SOURCE)
+    _, undo = target_for(module).patch(module, "9.9.9", strict=True)
+    p = param(False)
+    module.MegatronFSDP("no_shard").all_gather_and_wait_parameters_ready(params=[p])
+    assert not hasattr(p, "overwrite_main_grad")
+    undo.run()
+
+
+@pytest.mark.parametrize("source, why", [
+    (SOURCE.replace("param.overwrite_main_grad   =   True", "pass"), "no `param.overwrite_main_grad = True`"),
+    (SOURCE.replace(f"def {METHOD}", "def other"), "has no MegatronFSDP.all_gather_and_wait_parameters_ready"),
+    (SOURCE.replace("class MegatronFSDP", "class Other"), "has no MegatronFSDP."),
+])
+def test_not_applicable_without_the_method_or_the_statement(load, source, why):
+    module = load(source)
+    before = {k: v for k, v in vars(module).items()}
+    st, undo = FSDP_TE_OVERWRITE.patch(module, "9.9.9", strict=True)
+    assert st.state == "not applicable" and why in st.reason, st.reason
+    assert undo.steps == [] and all(vars(module)[k] is v for k, v in before.items())
+
+
+def test_a_changed_method_is_unverified_and_refused_in_strict_mode(load):
+    verified = load(SOURCE, "verified_fsdp")
+    changed = load(SOURCE.replace("prefetch=True", "prefetch=False"))
+    target = target_for(verified)
+    with pytest.raises(UnverifiedRefused, match="source differs from megatron-core 9.9.9"):
+        target.patch(changed, "9.9.9", strict=True)
+    assert not isinstance(vars(changed.MegatronFSDP)[METHOD], PatchedOverwriteFlag)
+    st, undo = target.patch(changed, "9.9.9", strict=False)
+    assert st.state == "unverified" and isinstance(vars(changed.MegatronFSDP)[METHOD], PatchedOverwriteFlag)
+    undo.run()
+    st, undo = target.patch(verified, "1.0.0", strict=False)
+    assert st.state == "unverified" and "not a verified release" in st.reason
+    undo.run()
+
+
+def test_switched_off_by_the_variable(load, monkeypatch):
+    monkeypatch.setenv("GEMM_PATCH_TE_OVERWRITE", "0")
+    module = load(SOURCE)
+    original = vars(module.MegatronFSDP)[METHOD]
+    st, undo = target_for(module).patch(module, "9.9.9", strict=True)
+    assert st.state == "off" and "GEMM_PATCH_TE_OVERWRITE=0" in st.reason
+    assert undo.steps == [] and vars(module.MegatronFSDP)[METHOD] is original
+
+
+def test_config_default_on_and_validated():
+    assert config.load({}).te_overwrite is True
+    assert config.load({"GEMM_PATCH_TE_OVERWRITE": "off"}).te_overwrite is False
+    with pytest.raises(config.ConfigError, match="GEMM_PATCH_TE_OVERWRITE='2'"):
+        config.load({"GEMM_PATCH_TE_OVERWRITE": "2"})
+
+
+def test_targets_are_data():
+    assert FSDP_TE_OVERWRITE in TARGETS and MFSDP_TE_OVERWRITE in TARGETS
+    assert len({t.name for t in TARGETS}) == len(TARGETS)
+    assert MFSDP_TE_OVERWRITE.module == "megatron_fsdp.megatron_fsdp"
+    assert patcher._COMPONENTS["megatron_fsdp"] == MFSDP_TE_OVERWRITE.distribution == "megatron-fsdp"
+    assert FSDP_TE_OVERWRITE.fingerprints["0.17.1"] == MFSDP_TE_OVERWRITE.fingerprints["0.6.1"]
+
+
+def test_module_findable_without_importing(tmp_path, monkeypatch):
+    pkg = tmp_path / "gp_fake_pkg" / "sub"
+    pkg.mkdir(parents=True)
+    (pkg.parent / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("raise AssertionError('imported')")
+    (pkg / "mod.py").write_text("raise AssertionError('imported')")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert detection.module_findable("gp_fake_pkg.sub.mod") is None  # top not imported: unknown
+    import gp_fake_pkg  # noqa: F401
+
+    try:
+        assert detection.module_findable("gp_fake_pkg.sub.mod") is True
+        assert detection.module_findable("gp_fake_pkg.sub.missing") is False
+        assert detection.module_findable("gp_fake_pkg.nope.mod") is False
+        assert "gp_fake_pkg.sub" not in sys.modules
+    finally:
+        sys.modules.pop("gp_fake_pkg", None)
+
+
+def test_summary_is_one_line_plus_at_most_one(monkeypatch):
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    patcher.log.addHandler(handler)
+    old_level = patcher.log.level
+    patcher.log.setLevel(logging.DEBUG)
+    monkeypatch.setattr(patcher, "_summary_logged", False)
+    monkeypatch.setattr(patcher, "_late_logged", False)
+    monkeypatch.setattr(patcher, "_logged_targets", set())
+    monkeypatch.setattr(patcher, "_backend_summary", lambda: "backends x")
+    monkeypatch.delenv("RANK", raising=False)
+
+    def st(name, module="megatron.core.x", version="0.17.1"):
+        return TargetStatus(name, module, "verified", "", version)
+
+    try:
+        patcher._log_summary([st("fsdp-wgrad"), st("apex-wgrad")])
+        patcher._log_summary([st("fsdp-wgrad")])  # re-apply after revert: nothing new
+        patcher._log_summary([st("fsdp-te-overwrite")])
+        patcher._log_summary([st("mfsdp-te-overwrite", "megatron_fsdp.megatron_fsdp", "0.6.1")])
+    finally:
+        patcher.log.removeHandler(handler)
+        patcher.log.setLevel(old_level)
+    info = [r.getMessage() for r in records if r.levelno == logging.INFO]
+    assert len(info) == 2, info
+    assert info[0].startswith("megatron-core 0.17.1: fsdp-wgrad verified") and "backends x" in info[0]
+    assert info[1] == "megatron-core 0.17.1: fsdp-te-overwrite verified"
+    debug = [r.getMessage() for r in records if r.levelno == logging.DEBUG]
+    assert debug == ["megatron-fsdp 0.6.1: mfsdp-te-overwrite verified"]
+
+
+def test_standalone_megatron_fsdp_when_installed():
+    """PyPI megatron-fsdp (``PYTHONPATH=<unpacked wheel>``): its own class, patched by the
+    post-import hook, keyed by megatron-fsdp's version."""
+    import gemm_patch
+
+    gemm_patch.apply()
+    module = pytest.importorskip("megatron_fsdp.megatron_fsdp")
+    version = detection.distribution_version("megatron-fsdp")
+    st = {t.name: t for t in gemm_patch.status().targets}["mfsdp-te-overwrite"]
+    assert st.version == version
+    assert st.state == ("verified" if version in MFSDP_TE_OVERWRITE.fingerprints else "unverified"), st.reason
+    cls = module.MegatronFSDP
+    installed = vars(cls)[METHOD]
+    assert isinstance(installed, PatchedOverwriteFlag)
+    obj = object.__new__(cls)
+    persistent, fresh = param(False), param(True)
+    pipeline = types.SimpleNamespace(all_gather_params=lambda **kw: None, wait_bucket_ready=lambda *a: None)
+    vars(obj).update(data_parallel_sharding_strategy="optim_grads_params", all_gather_pipeline=pipeline,
+                     suggested_AG_prefetch_size=None, microbatch_count=0, model_auto_sync=False,
+                     dist_index=types.SimpleNamespace(use_hybrid_fsdp=False),
+                     ddp_config=types.SimpleNamespace(outer_dp_sharding_strategy="no_shard"),
+                     param_and_grad_buffer=types.SimpleNamespace(param_to_param_group={persistent: 0, fresh: 1}))
+    obj.all_gather_and_wait_parameters_ready([persistent, fresh])
+    assert (persistent.overwrite_main_grad, fresh.overwrite_main_grad) == (False, True)
+    gemm_patch.revert()
+    try:
+        assert vars(cls)[METHOD] is installed.__wrapped__
+        persistent.overwrite_main_grad = None
+        obj.all_gather_and_wait_parameters_ready([persistent])
+        assert persistent.overwrite_main_grad is True
+    finally:
+        gemm_patch.apply()
+    assert vars(cls)[METHOD] is not installed.__wrapped__

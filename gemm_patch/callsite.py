@@ -20,7 +20,7 @@ import hashlib
 import inspect
 import types
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 FACTORY = "__gemm_patch_factory__"
 
@@ -83,13 +83,14 @@ def analyse(module: types.ModuleType, owner: str, attribute: str, call: str) -> 
     funcdef = parse_method(module, owner, attribute)
     if funcdef is None:
         raise CallSiteError(f"{module.__name__} has no {owner}.{attribute}")
+    return AnalysedFunction(module, funcdef, fingerprint(funcdef), find_calls(funcdef, call))
+
+
+def find_calls(funcdef: ast.AST, call: str) -> list[ast.Call]:
+    """Every statement-level ``call`` (compared as ASTs) inside ``funcdef``."""
     template = ast.dump(ast.parse(call, mode="eval").body)
-    matches = [
-        node.value
-        for node in ast.walk(funcdef)
-        if isinstance(node, ast.Expr) and ast.dump(node.value) == template
-    ]
-    return AnalysedFunction(module, funcdef, fingerprint(funcdef), matches)
+    return [node.value for node in ast.walk(funcdef)
+            if isinstance(node, ast.Expr) and ast.dump(node.value) == template]
 
 
 def analyse_statement(module: types.ModuleType, owner: str, attribute: str,
@@ -123,44 +124,44 @@ def _refuse_unportable(funcdef: ast.FunctionDef) -> None:
             raise CallSiteError(f"{funcdef.name} uses {name!r}, which cannot be recompiled outside its class")
 
 
-class _RedirectCall(ast.NodeTransformer):
-    def __init__(self, targets: list[ast.Call], new_name: str, extra_keywords: dict[str, str]):
-        self.targets = {ast.dump(t, include_attributes=True) for t in targets}
-        self.new_name = new_name
-        self.extra_keywords = extra_keywords
+@dataclass
+class Redirect:
+    """Send ``matches`` (calls found by ``find_calls``) to ``function``, reached inside the twin
+    through a closure variable called ``name``, with ``extra_keywords`` (keyword -> local name)."""
+
+    matches: list[ast.Call]
+    name: str
+    function: Callable
+    extra_keywords: dict[str, str] = field(default_factory=dict)
+
+
+class _RedirectCalls(ast.NodeTransformer):
+    def __init__(self, redirects: list[Redirect]):
+        self.by_dump = {ast.dump(t, include_attributes=True): r for r in redirects for t in r.matches}
 
     def visit_Call(self, node: ast.Call) -> ast.AST:
         self.generic_visit(node)
-        if ast.dump(node, include_attributes=True) not in self.targets:
+        redirect = self.by_dump.get(ast.dump(node, include_attributes=True))
+        if redirect is None:
             return node
-        extra = [
-            ast.keyword(arg=k, value=ast.Name(id=v, ctx=ast.Load()))
-            for k, v in self.extra_keywords.items()
-        ]
-        new = ast.Call(
-            func=ast.Name(id=self.new_name, ctx=ast.Load()),
-            args=node.args,
-            keywords=node.keywords + extra,
-        )
+        extra = [ast.keyword(arg=k, value=ast.Name(id=v, ctx=ast.Load()))
+                 for k, v in redirect.extra_keywords.items()]
+        new = ast.Call(func=ast.Name(id=redirect.name, ctx=ast.Load()), args=node.args,
+                       keywords=node.keywords + extra)
         return ast.copy_location(new, node)
 
 
-def build_twin(
-    analysed: AnalysedFunction,
-    qualname: str,
-    replacement: Callable,
-    replacement_name: str = "_gemm_patch_wgrad",
-    extra_keywords: dict[str, str] | None = None,
-):
-    """The decorated twin of the analysed function with each matched call sent to
-    ``replacement``; returns what the class body's ``def`` would have bound (for a
-    ``@staticmethod`` that is the staticmethod object)."""
+def build_twin(analysed: AnalysedFunction, qualname: str, redirects: list[Redirect]):
+    """The decorated twin of the analysed function with each redirect's calls sent to its
+    function; returns what the class body's ``def`` would have bound (for a ``@staticmethod``
+    that is the staticmethod object)."""
     funcdef = copy.deepcopy(analysed.funcdef)
     _refuse_unportable(funcdef)
-    funcdef = _RedirectCall(analysed.matches, replacement_name, extra_keywords or {}).visit(funcdef)
+    funcdef = _RedirectCalls(redirects).visit(funcdef)
     decorators, funcdef.decorator_list = funcdef.decorator_list, []
 
-    factory = ast.parse(f"def {FACTORY}({replacement_name}):\n    pass\n").body[0]
+    names = ", ".join(r.name for r in redirects)
+    factory = ast.parse(f"def {FACTORY}({names}):\n    pass\n").body[0]
     factory.body = [funcdef, ast.Return(value=ast.Name(id=funcdef.name, ctx=ast.Load()))]
     tree = ast.fix_missing_locations(ast.Module(body=[factory], type_ignores=[]))
 
@@ -174,7 +175,7 @@ def build_twin(
     # Globals are the module's own dict (live lookups of torch, HAVE_TE, ...); the factory
     # lands in ``namespace``, so the module gains no name.
     exec(code, module.__dict__, namespace)
-    function = namespace[FACTORY](replacement)
+    function = namespace[FACTORY](*(r.function for r in redirects))
     function.__qualname__ = qualname
 
     decorated = function

@@ -200,3 +200,18 @@ def apex_wgrad(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: 
     """What gemm_patch's stand-in for apex's ``fused_weight_gradient_mlp_cuda`` calls; looks the
     dispatcher up per call, like ``fsdp_wgrad``."""
     (_active or active_dispatcher()).apex_wgrad(total_input, grad_output, main_grad)
+
+
+def fsdp_wgrad_te(total_input: torch.Tensor, grad_output: torch.Tensor, *, out: torch.Tensor, param=None,
+                  **te_kwargs) -> None:
+    """Stands in for megatron-core 0.18+'s own ``te_general_gemm(total_input, grad_output,
+    out_dtype=main_grad.dtype, layout="NT", out=main_grad, grad=True)`` on the Megatron-FSDP
+    path (reached only where megatron found TE). Where the buffer is fresh that very call runs,
+    unchanged; where it persists, the product is added through the dispatcher instead, since
+    that call's overwrite would drop the earlier micro-batches."""
+    if param is not None and main_grad_is_persistent(param):
+        (_active or active_dispatcher()).gemm(grad_output.t(), total_input, out, accumulate=True)
+        return
+    from megatron.core.extensions.transformer_engine import te_general_gemm
+
+    te_general_gemm(total_input, grad_output, out=out, **te_kwargs)

@@ -101,10 +101,13 @@ class CallSiteTarget:
     replacement: str  # attribute of gemm_patch.dispatcher
     extra_keywords: Mapping[str, str]
     fingerprints: Mapping[str, str]  # release -> fingerprint of the unpatched function
+    # Further calls of the same function sent to the dispatcher where present (call source ->
+    # dispatcher attribute); they never decide applicability.
+    also: Mapping[str, str] = field(default_factory=dict)
 
     def patch(self, module: types.ModuleType, version: str | None, strict: bool) -> tuple[TargetStatus, Undo]:
         from . import dispatcher
-        from .callsite import CallSiteError, analyse, build_twin
+        from .callsite import CallSiteError, Redirect, analyse, build_twin, find_calls
 
         def status(state: str, reason: str, fp: str | None = None) -> TargetStatus:
             return TargetStatus(self.name, self.module, state, reason, version, fp)
@@ -128,9 +131,14 @@ class CallSiteTarget:
             if strict:
                 raise UnverifiedRefused(f"{self.name}: {reason}; refused because GEMM_PATCH_STRICT=1")
         try:
-            twin = build_twin(analysed, f"{self.owner}.{self.attribute}",
-                              getattr(dispatcher, self.replacement),
-                              extra_keywords=dict(self.extra_keywords))
+            redirects = [Redirect(analysed.matches, "_gemm_patch_wgrad", getattr(dispatcher, self.replacement),
+                                  dict(self.extra_keywords))]
+            for i, (call, replacement) in enumerate(self.also.items()):
+                matches = find_calls(analysed.funcdef, call)
+                if matches:
+                    redirects.append(Redirect(matches, f"_gemm_patch_also_{i}", getattr(dispatcher, replacement),
+                                              dict(self.extra_keywords)))
+            twin = build_twin(analysed, f"{self.owner}.{self.attribute}", redirects)
         except (CallSiteError, SyntaxError) as exc:
             return status(SKIPPED, f"{where} cannot be rebuilt: {exc}", fp), Undo()
         owner = getattr(module, self.owner)
@@ -169,6 +177,12 @@ FSDP_WGRAD = CallSiteTarget(
     call="torch.matmul(grad_output.t(), total_input, out=weight.main_grad)",
     replacement="fsdp_wgrad",
     extra_keywords={"param": "weight"},
+    # 0.18+: megatron's own TE call beside it overwrites too; route it through the dispatcher
+    # so it accumulates where Megatron-FSDP's buffer persists (same TE/native numerics).
+    also={
+        'te_general_gemm(total_input, grad_output, out_dtype=weight.main_grad.dtype, layout="NT", '
+        'out=weight.main_grad, grad=True)': "fsdp_wgrad_te",
+    },
     fingerprints={
         # 0.13.1 has no such call: not applicable, nothing to record.
         "0.14.0": "7ec854ca9d6a137e",

@@ -154,3 +154,31 @@ def test_te_failure_hands_over_to_native_without_corrupting_training(caplog):
     dispatcher.reset_active_dispatcher()
     assert torch.equal(got, expected)
     assert sum("injected TE failure" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_upstream_te_branch_accumulates_into_persistent_buffers():
+    """megatron-core 0.19.2 with TE: its own te_general_gemm call overwrites, so a persistent
+    buffer keeps only the last of 4 micro-batches; patched, the sum is right, and a fresh buffer
+    gets upstream's exact bits."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import HERE, ROOT, mcore_dir
+
+    def probe(env):
+        others = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and "/mc0" not in p]
+        env = {**os.environ, **env, "PYTHONPATH": os.pathsep.join([str(mcore_dir(REFERENCE)), str(ROOT), *others])}
+        out = subprocess.run([sys.executable, str(HERE / "te_branch_probe.py")], env=env, capture_output=True,
+                             text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    import json
+
+    upstream, patched = probe({"GEMM_PATCH": "0"}), probe({})
+    print("0.19.2 persistent buffer, 4 micro-batches: rel. error upstream "
+          f"{upstream['persistent']['rel_err']:.3f}, patched {patched['persistent']['rel_err']:.2e}")
+    assert upstream["persistent"]["rel_err"] > 0.3  # the bug: earlier micro-batches dropped
+    assert patched["persistent"]["rel_err"] < 1e-5
+    assert patched["fresh"]["bits"] == upstream["fresh"]["bits"]

@@ -173,3 +173,36 @@ def test_unverified_release_is_patched_with_a_warning_or_refused_in_strict_mode(
     else:
         assert out.stdout.split()[-1] == "unverified", out.stdout
         assert out.stderr.count("fsdp-wgrad patched but unverified") == 1, out.stderr
+
+
+@needs_call_site
+def test_upstream_te_call_is_redirected_only_where_the_release_has_it(patched):
+    import inspect
+
+    twin = vars(FUNCTION)["backward"]._self_gemm_patch_twin
+    raw = inspect.unwrap(twin.__func__ if isinstance(twin, staticmethod) else twin)
+    has_te_call = "te_general_gemm(" in inspect.getsource(vars(FUNCTION)["backward"].__wrapped__.__func__)
+    assert ("_gemm_patch_also_0" in raw.__code__.co_freevars) == has_te_call
+    assert "_gemm_patch_wgrad" in raw.__code__.co_freevars
+
+
+def test_te_branch_stand_in_accumulates_into_a_persistent_buffer():
+    """dispatcher.fsdp_wgrad_te, which 0.18+'s TE call goes to, on a parameter whose Megatron-FSDP
+    buffer persists (``_gbuf.is_data_distributed`` False): adds, never overwrites. (The fresh-
+    buffer case calls megatron's own te_general_gemm, which needs TE: tests/gpu.)"""
+    from types import SimpleNamespace
+
+    from gemm_patch import dispatcher
+
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.nn.Parameter(torch.zeros(24, 16, dtype=torch.bfloat16))
+    weight._gbuf = SimpleNamespace(is_data_distributed=False)
+    main_grad = torch.zeros(24, 16)
+    expected = torch.zeros(24, 16, dtype=torch.float64)
+    for _ in range(3):
+        total_input = torch.randn(40, 16, generator=gen).to(torch.bfloat16)
+        grad_output = torch.randn(40, 24, generator=gen).to(torch.bfloat16)
+        dispatcher.fsdp_wgrad_te(total_input, grad_output, out_dtype=torch.float32, layout="NT", out=main_grad,
+                                 grad=True, param=weight)
+        expected += grad_output.double().t() @ total_input.double()
+    assert ((main_grad.double() - expected).norm() / expected.norm()).item() < 1e-6

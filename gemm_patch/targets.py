@@ -88,6 +88,21 @@ class UnverifiedRefused(Exception):
     """Raised under strict mode instead of patching an unverified call site."""
 
 
+def judge(name: str, fingerprints: Mapping[str, str], version: str | None, fp: str, prefix: str,
+          what: str, strict: bool, distribution: str = "megatron-core") -> tuple[str, str]:
+    """Verified when ``fp`` is the one recorded for this release; otherwise unverified (``what``
+    gemm_patch relies on is still there), with the reason, or refused under strict mode."""
+    known = fingerprints.get(public_version(version))
+    if known == fp:
+        return VERIFIED, f"{prefix}: {what} matches {distribution} {version}"
+    reason = (f"{prefix}: {distribution} {version} is not a verified release" if known is None
+              else f"{prefix}: source differs from {distribution} {version} (fingerprint {fp}, "
+                   f"release {known})") + f"; {what} still found"
+    if strict:
+        raise UnverifiedRefused(f"{name}: {reason}; refused because GEMM_PATCH_STRICT=1")
+    return UNVERIFIED, reason
+
+
 @dataclass(frozen=True)
 class CallSiteTarget:
     """Send one call expression inside ``owner.attribute`` of ``module`` to ``replacement``."""
@@ -120,16 +135,8 @@ class CallSiteTarget:
         fp = analysed.fingerprint
         if not analysed.matches:
             return status(NOT_APPLICABLE, f"no `{self.call}` in {where}", fp), Undo()
-        known = self.fingerprints.get(public_version(version))
-        if known == fp:
-            state, reason = VERIFIED, f"{where}: call site matches release {version}"
-        else:
-            state = UNVERIFIED
-            reason = (f"{where}: megatron-core {version} is not a verified release" if known is None
-                      else f"{where}: source differs from release {version} (fingerprint {fp}, "
-                           f"release {known})") + "; the call site still matches"
-            if strict:
-                raise UnverifiedRefused(f"{self.name}: {reason}; refused because GEMM_PATCH_STRICT=1")
+        state, reason = judge(self.name, self.fingerprints, version, fp, where,
+                              "call site", strict)
         try:
             redirects = [Redirect(analysed.matches, "_gemm_patch_wgrad", getattr(dispatcher, self.replacement),
                                   dict(self.extra_keywords))]
@@ -244,16 +251,8 @@ class ApexWgradTarget:
             return status(NOT_APPLICABLE, f"{where} calls none of {ext}.{{{', '.join(self.calls)}}}",
                           fp), Undo()
         provided = f"apex missing: {ext}.{{{', '.join(usage.call_names)}}} provided by gemm_patch"
-        known = self.fingerprints.get(public_version(version))
-        if known == fp:
-            state, reason = VERIFIED, f"{provided}; usage matches release {version}"
-        else:
-            state = UNVERIFIED
-            reason = (f"{provided}; megatron-core {version} is not a verified release" if known is None
-                      else f"{provided}; apex usage differs from release {version} (fingerprint {fp}, "
-                           f"release {known})")
-            if strict:
-                raise UnverifiedRefused(f"{self.name}: {reason}; refused because GEMM_PATCH_STRICT=1")
+        state, reason = judge(self.name, self.fingerprints, version, fp, provided,
+                              "apex usage", strict)
         undo = Undo()
         undo.set_item(sys.modules, ext, STAND_IN)
         undo.set(module, ext, STAND_IN)
@@ -322,16 +321,8 @@ class OverwriteFlagTarget:
         fp = analysed.fingerprint
         if not analysed.matches:
             return status(NOT_APPLICABLE, f"no `{self.statement}` in {where}", fp), Undo()
-        known = self.fingerprints.get(public_version(version))
-        if known == fp:
-            state, reason = VERIFIED, f"{where}: method matches {self.distribution} {version}"
-        else:
-            state = UNVERIFIED
-            reason = (f"{where}: {self.distribution} {version} is not a verified release" if known is None
-                      else f"{where}: source differs from {self.distribution} {version} (fingerprint "
-                           f"{fp}, release {known})") + f"; `{self.statement}` is still there"
-            if strict:
-                raise UnverifiedRefused(f"{self.name}: {reason}; refused because GEMM_PATCH_STRICT=1")
+        state, reason = judge(self.name, self.fingerprints, version, fp, where,
+                              f"`{self.statement}`", strict, self.distribution)
         owner = getattr(module, self.owner)
         original = vars(owner)[self.attribute]
         undo = Undo()

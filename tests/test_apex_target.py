@@ -87,7 +87,7 @@ def test_a_changed_call_is_unverified_and_refused_in_strict_mode(load):
     verified = load(GUARD + CHECK + CALLS, "verified_layers")
     changed = load(GUARD + CHECK + CALLS.replace("(total_input, grad_output,", "(grad_output, total_input,"))
     target = target_for(verified)
-    with pytest.raises(UnverifiedRefused, match="apex usage differs from release 9.9.9"):
+    with pytest.raises(UnverifiedRefused, match="source differs from megatron-core 9.9.9"):
         target.patch(changed, "9.9.9", strict=True)
     assert EXT not in sys.modules
     st, undo = target.patch(changed, "9.9.9", strict=False)

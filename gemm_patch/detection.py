@@ -45,13 +45,17 @@ def distribution_version(component: str) -> str | None:
 
 
 def module_findable(name: str) -> bool | None:
-    """Whether ``import name`` would find a module, decided without importing anything, once
-    its top-level package is imported (None before that, or when a finder fails). Each level
-    not imported yet is looked up in the ``__path__`` of the level above."""
+    """Whether ``import name`` would find a module, decided without importing anything: False
+    when its top-level package is not installed at all; once that package is imported, each
+    level not imported yet is looked up in the ``__path__`` of the level above. None when it
+    cannot be told yet (package installed, not imported) or a finder fails."""
     parts = name.split(".")
     top = sys.modules.get(parts[0])
     if top is None:
-        return None
+        try:  # a top-level lookup on sys.path imports nothing
+            return False if util.find_spec(parts[0]) is None else None
+        except (ImportError, ValueError):
+            return None
     path = getattr(top, "__path__", None)
     for depth in range(2, len(parts) + 1):
         if path is None:

@@ -240,8 +240,9 @@ def _resolve_pending(target: Any, st: TargetStatus | None) -> TargetStatus | Non
     if st is None or st.state != PENDING or detection.module_findable(target.module) is not False:
         return st
     version = detection.distribution_version(target.distribution)
-    return TargetStatus(st.name, st.module, NOT_APPLICABLE,
-                        f"{target.distribution} {version} has no module {target.module}", version)
+    reason = (f"{target.distribution} {version} has no module {target.module}" if version
+              else f"{target.distribution} is not installed (no {target.module.split('.')[0]} package)")
+    return TargetStatus(st.name, st.module, NOT_APPLICABLE, reason, version)
 
 
 def status() -> Status:

@@ -252,3 +252,9 @@ def test_standalone_megatron_fsdp_when_installed():
     finally:
         gemm_patch.apply()
     assert vars(cls)[METHOD] is not installed.__wrapped__
+
+
+def test_a_package_that_is_not_installed_is_not_findable():
+    from gemm_patch import detection
+
+    assert detection.module_findable("gemm_patch_no_such_package_xyz.megatron_fsdp") is False

@@ -9,15 +9,10 @@ AST (and nothing else of the 1,500-line module) is what the fingerprint covers.
 from __future__ import annotations
 
 import ast
-import inspect
 import types
 from dataclasses import dataclass, field
 
-from .callsite import fingerprint
-
-
-class ApexSourceError(Exception):
-    """The module's source cannot be read; the message is the skip reason."""
+from .callsite import fingerprint, parse_module
 
 
 @dataclass
@@ -60,14 +55,7 @@ def _guard(tree: ast.Module, extension: str, flag: str) -> tuple[ast.Assign | No
 
 
 def analyse(module: types.ModuleType, extension: str, flag: str, calls: tuple[str, ...]) -> ApexUsage:
-    try:
-        source = inspect.getsource(module)
-    except (OSError, TypeError) as exc:
-        raise ApexSourceError(
-            f"no source for {module.__name__} ({exc}); a bytecode-only install cannot be "
-            "checked, so it is left untouched"
-        ) from None
-    tree = ast.parse(source)
+    tree = parse_module(module)
     usage = ApexUsage()
     usage.flag_default, usage.guarded_import = _guard(tree, extension, flag)
     for node in ast.walk(tree):

@@ -65,9 +65,8 @@ def fingerprint(*nodes: ast.AST | None) -> str:
     return hashlib.sha256(dump.encode()).hexdigest()[:16]
 
 
-def parse_method(module: types.ModuleType, owner: str, attribute: str) -> ast.FunctionDef | None:
-    """``owner.attribute`` parsed out of the module's source; None where the module has no such
-    method; CallSiteError where there is no source to read."""
+def parse_module(module: types.ModuleType) -> ast.Module:
+    """The module's source, parsed; CallSiteError where there is no source to read."""
     try:
         source = inspect.getsource(module)
     except (OSError, TypeError) as exc:
@@ -75,7 +74,13 @@ def parse_method(module: types.ModuleType, owner: str, attribute: str) -> ast.Fu
             f"no source for {module.__name__} ({exc}); a bytecode-only install cannot be "
             "checked, so it is left untouched"
         ) from None
-    return _find_method(ast.parse(source), owner, attribute)
+    return ast.parse(source)
+
+
+def parse_method(module: types.ModuleType, owner: str, attribute: str) -> ast.FunctionDef | None:
+    """``owner.attribute`` parsed out of the module's source; None where the module has no such
+    method; CallSiteError where there is no source to read."""
+    return _find_method(parse_module(module), owner, attribute)
 
 
 def analyse(module: types.ModuleType, owner: str, attribute: str, call: str) -> AnalysedFunction:

@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
-
-from .targets import TARGETS
 
 
 def _apply_as_on_import() -> str | None:
@@ -26,13 +23,9 @@ def _status(args: argparse.Namespace) -> int:
     import gemm_patch
 
     if not args.no_import:
-        # Import the target modules so the report says what the patch does to them, not
-        # merely that it is waiting for them.
-        for module in sorted({t.module for t in TARGETS}):
-            try:
-                importlib.import_module(module)
-            except ImportError:
-                pass
+        from .patcher import import_target_modules
+
+        import_target_modules()
     st = gemm_patch.status()
     print(json.dumps(st.as_dict(), indent=2, sort_keys=True) if args.json else st)
     return 1 if st.config_error else 0

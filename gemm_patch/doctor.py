@@ -153,18 +153,12 @@ def format_report(report: Report, patch_line: str | None = None) -> str:
 
 def patch_summary(import_targets: bool = True) -> str:
     """One line on the patch itself: the state of each target (importing them first)."""
-    import importlib
-
     import gemm_patch
 
-    from .targets import TARGETS
+    from .patcher import import_target_modules
 
     if import_targets:
-        for module in sorted({t.module for t in TARGETS}):
-            try:
-                importlib.import_module(module)
-            except ImportError:
-                pass
+        import_target_modules()
     st = gemm_patch.status()
     targets = ", ".join(f"{t.name} {t.state}" for t in st.targets)
     mcore = st.versions.get("megatron-core") or "not installed"

@@ -267,3 +267,15 @@ def status() -> Status:
         return Status(__version__, _wanted, _strict, cfg.backend, _config_error,
                       detection.installed_versions(), targets, backends,
                       apex_word(_states.get(APEX_WGRAD.name), cfg.apex_shim))
+
+
+def import_target_modules() -> None:
+    """Import every installed target module, so that status() reports what the patch did to
+    them rather than that it is waiting for them (``gemm-patch status`` and ``doctor``)."""
+    import importlib
+
+    for module in sorted({t.module for t in TARGETS}):
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            pass

@@ -222,8 +222,9 @@ class ApexWgradTarget:
 
     def patch(self, module: types.ModuleType, version: str | None, strict: bool) -> tuple[TargetStatus, Undo]:
         from . import config
-        from .apex_analysis import ApexSourceError, analyse
+        from .apex_analysis import analyse
         from .apex_stand_in import STAND_IN, is_stand_in
+        from .callsite import CallSiteError
 
         def status(state: str, reason: str, fp: str | None = None) -> TargetStatus:
             return TargetStatus(self.name, self.module, state, reason, version, fp)
@@ -241,7 +242,7 @@ class ApexWgradTarget:
                                "provide it"), Undo()
         try:
             usage = analyse(module, ext, self.flag, self.calls)
-        except ApexSourceError as exc:
+        except CallSiteError as exc:
             return status(SKIPPED, str(exc)), Undo()
         fp = usage.fingerprint
         if usage.guarded_import is None or usage.flag_default is None:

@@ -101,7 +101,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--lr", type=float, default=2e-5,
-                   help="peak learning rate after the warmup (see docs/issue4-notes.md: 2e-4 and up spike)")
+                   help="peak learning rate after the warmup (see examples/README.md: 2e-4 and up spike)")
     p.add_argument("--lr-warmup-steps", type=int, default=3,
                    help="linear warmup from 0: step k uses lr * min(1, k / this)")
     p.add_argument("--adam-beta2", type=float, default=0.95)

@@ -5,11 +5,10 @@ release, exact undo (no megatron needed; tests/megatron runs it against every re
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import sys
-import textwrap
 
 import pytest
+from source_modules import load_source
 
 from gemm_patch.apex_analysis import analyse
 from gemm_patch.apex_stand_in import STAND_IN
@@ -43,12 +42,7 @@ def load(tmp_path, monkeypatch):
     monkeypatch.delitem(sys.modules, EXT, raising=False)
 
     def load(source: str, name: str = "fake_layers"):
-        path = tmp_path / f"{name}.py"
-        path.write_text(textwrap.dedent(source))
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
+        return load_source(tmp_path, source, name)
 
     return load
 

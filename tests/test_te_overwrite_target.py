@@ -5,13 +5,12 @@ summary-line rule, and the standalone megatron-fsdp package where it is importab
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import logging
 import sys
-import textwrap
 import types
 
 import pytest
+from source_modules import load_source
 
 from gemm_patch import config, detection, patcher
 from gemm_patch.callsite import analyse_statement
@@ -49,12 +48,7 @@ class MegatronFSDP:
 @pytest.fixture
 def load(tmp_path):
     def load(source: str, name: str = "fake_megatron_fsdp"):
-        path = tmp_path / f"{name}.py"
-        path.write_text(textwrap.dedent(source))
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
+        return load_source(tmp_path, source, name)
 
     return load
 

@@ -7,7 +7,7 @@ Importing this package never imports torch, Transformer Engine or megatron.
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 from .patcher import GemmPatchError, Status, apply, revert, status  # noqa: E402
 
@@ -31,11 +31,7 @@ def _imported_by_own_command() -> bool:
 def _auto_apply() -> None:
     from . import config
 
-    try:
-        enabled = config.load().enabled
-    except config.ConfigError:
-        enabled = True  # apply() reports the bad value once (and raises only in strict mode)
-    if enabled:
+    if config.enabled():  # GEMM_PATCH=0 beats every other variable, bad values included
         apply()
 
 

@@ -54,7 +54,7 @@ def _guard(tree: ast.Module, extension: str, flag: str) -> tuple[ast.Assign | No
     return default, None
 
 
-def analyse(module: types.ModuleType, extension: str, flag: str, calls: tuple[str, ...]) -> ApexUsage:
+def find_apex_usage(module: types.ModuleType, extension: str, flag: str, calls: tuple[str, ...]) -> ApexUsage:
     tree = parse_module(module)
     usage = ApexUsage()
     usage.flag_default, usage.guarded_import = _guard(tree, extension, flag)

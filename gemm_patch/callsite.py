@@ -65,16 +65,19 @@ def fingerprint(*nodes: ast.AST | None) -> str:
     return hashlib.sha256(dump.encode()).hexdigest()[:16]
 
 
-def parse_module(module: types.ModuleType) -> ast.Module:
-    """The module's source, parsed; CallSiteError where there is no source to read."""
+def _source(module: types.ModuleType) -> str:
     try:
-        source = inspect.getsource(module)
+        return inspect.getsource(module)
     except (OSError, TypeError) as exc:
         raise CallSiteError(
             f"no source for {module.__name__} ({exc}); a bytecode-only install cannot be "
             "checked, so it is left untouched"
         ) from None
-    return ast.parse(source)
+
+
+def parse_module(module: types.ModuleType) -> ast.Module:
+    """The module's source, parsed; CallSiteError where there is no source to read."""
+    return ast.parse(_source(module))
 
 
 def parse_method(module: types.ModuleType, owner: str, attribute: str) -> ast.FunctionDef | None:
@@ -83,7 +86,7 @@ def parse_method(module: types.ModuleType, owner: str, attribute: str) -> ast.Fu
     return _find_method(parse_module(module), owner, attribute)
 
 
-def analyse(module: types.ModuleType, owner: str, attribute: str, call: str) -> AnalysedFunction:
+def find_call_site(module: types.ModuleType, owner: str, attribute: str, call: str) -> AnalysedFunction:
     """Parse ``owner.attribute`` out of the module's source and find every ``call`` in it."""
     funcdef = parse_method(module, owner, attribute)
     if funcdef is None:
@@ -98,7 +101,7 @@ def find_calls(funcdef: ast.AST, call: str) -> list[ast.Call]:
             if isinstance(node, ast.Expr) and ast.dump(node.value) == template]
 
 
-def analyse_statement(module: types.ModuleType, owner: str, attribute: str,
+def find_statement(module: types.ModuleType, owner: str, attribute: str,
                       statement: str) -> AnalysedFunction | None:
     """Parse ``owner.attribute`` out of the module's source and find every occurrence of the
     simple statement ``statement`` (compared as ASTs, so formatting and comments do not matter)
@@ -112,13 +115,85 @@ def analyse_statement(module: types.ModuleType, owner: str, attribute: str,
     return AnalysedFunction(module, funcdef, fingerprint(funcdef), matches)
 
 
+def _find_class(tree: ast.Module, owner: str) -> ast.ClassDef | None:
+    return next((c for c in tree.body if isinstance(c, ast.ClassDef) and c.name == owner), None)
+
+
 def _find_method(tree: ast.Module, owner: str, attribute: str) -> ast.FunctionDef | None:
-    for cls in tree.body:
-        if isinstance(cls, ast.ClassDef) and cls.name == owner:
-            for node in cls.body:
-                if isinstance(node, ast.FunctionDef) and node.name == attribute:
-                    return node
-    return None
+    cls = _find_class(tree, owner)
+    return next((n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == attribute), None) \
+        if cls is not None else None
+
+
+def _future_flags(module: types.ModuleType) -> int:
+    return __future__.annotations.compiler_flag if module.__dict__.get("annotations") is __future__.annotations \
+        else 0
+
+
+def check_live_is_source(module: types.ModuleType, owner: str, attribute: str) -> None:
+    """Raise CallSiteError unless ``owner.attribute`` of the live module is the function its
+    source file defines, with the decorators it names: another library may have replaced it
+    (its code would silently never run again under a twin built from the file), or the file
+    may have changed since the import.
+
+    The class body is compiled from the parsed file with the file's name and positions; the
+    live object and that function, both with the source's decorators unwrapped layer by layer
+    (``__wrapped__``), must have equal code objects at every layer.
+    """
+    source = _source(module)
+    tree = ast.parse(source)
+    funcdef = _find_method(tree, owner, attribute)
+    cls = vars(module).get(owner)
+    if funcdef is None or not isinstance(cls, type) or attribute not in vars(cls):
+        raise CallSiteError(f"{module.__name__}.{owner}.{attribute} is not in both the file and the live module")
+    # Compiled from the text, as the import did (compiling the parsed tree gives other bytecode).
+    code = compile(source, _filename(module), "exec", dont_inherit=True)
+    body = next((c for c in code.co_consts if isinstance(c, types.CodeType) and c.co_name == owner), None)
+    expected_code = next((c for c in body.co_consts if isinstance(c, types.CodeType) and c.co_name == attribute),
+                         None) if body is not None else None
+    if expected_code is None:
+        raise CallSiteError(f"{owner}.{attribute} cannot be compiled from {module.__name__}'s source")
+    expected = _decorate(types.FunctionType(expected_code, module.__dict__), funcdef.decorator_list, module)
+    live = vars(cls)[attribute]
+    if _layers(live) != _layers(expected):
+        raise CallSiteError(
+            f"{module.__name__}.{owner}.{attribute} is not megatron's own function from "
+            f"{_filename(module)}: the live object is {type(live).__module__}.{type(live).__qualname__}"
+            f"{_origin(live)}; left untouched, since patching it would drop whatever replaced it")
+
+
+def _layers(obj: object) -> list[object]:
+    """The code object (or, for a callable object, the type) of each decorator layer."""
+    layers = []
+    seen = 0
+    while obj is not None and seen < 16:
+        seen += 1
+        if isinstance(obj, (staticmethod, classmethod)):
+            layers.append(type(obj))
+            obj = obj.__func__
+            continue
+        layers.append(getattr(obj, "__code__", type(obj)))
+        obj = getattr(obj, "__wrapped__", None) if isinstance(obj, types.FunctionType) else None
+    return layers
+
+
+def _origin(obj: object) -> str:
+    inner = obj.__func__ if isinstance(obj, (staticmethod, classmethod)) else obj
+    code = getattr(inner, "__code__", None)
+    return f" ({code.co_qualname if hasattr(code, 'co_qualname') else code.co_name} from " \
+           f"{code.co_filename}:{code.co_firstlineno})" if code is not None else ""
+
+
+def _filename(module: types.ModuleType) -> str:
+    return getattr(module, "__file__", None) or f"<{module.__name__}>"
+
+
+def _decorate(function, decorators: list[ast.expr], module: types.ModuleType):
+    decorated = function
+    for decorator in reversed(decorators):
+        expression = ast.fix_missing_locations(ast.Expression(body=decorator))
+        decorated = eval(compile(expression, _filename(module), "eval", dont_inherit=True), module.__dict__)(decorated)
+    return decorated
 
 
 def _refuse_unportable(funcdef: ast.FunctionDef) -> None:
@@ -171,20 +246,36 @@ def build_twin(analysed: AnalysedFunction, qualname: str, redirects: list[Redire
     tree = ast.fix_missing_locations(ast.Module(body=[factory], type_ignores=[]))
 
     module = analysed.module
-    filename = getattr(module, "__file__", None) or f"<{module.__name__}>"
-    flags = 0
-    if module.__dict__.get("annotations") is __future__.annotations:
-        flags |= __future__.annotations.compiler_flag
-    code = compile(tree, filename, "exec", flags=flags, dont_inherit=True)
+    code = compile(tree, _filename(module), "exec", flags=_future_flags(module), dont_inherit=True)
     namespace: dict = {}
     # Globals are the module's own dict (live lookups of torch, HAVE_TE, ...); the factory
     # lands in ``namespace``, so the module gains no name.
     exec(code, module.__dict__, namespace)
     function = namespace[FACTORY](*(r.function for r in redirects))
     function.__qualname__ = qualname
+    return _decorate(function, decorators, module)
 
-    decorated = function
-    for decorator in reversed(decorators):
-        expression = ast.fix_missing_locations(ast.Expression(body=decorator))
-        decorated = eval(compile(expression, filename, "eval", dont_inherit=True), module.__dict__)(decorated)
-    return decorated
+
+def build_edited_twin(analysed: AnalysedFunction, qualname: str,
+                      edit: Callable[[ast.FunctionDef], None], cells: dict[str, Callable]):
+    """Like ``build_twin``, for an edit that is not a call redirect: ``edit`` changes a deep
+    copy of the analysed FunctionDef in place (e.g. one statement of a nested function), and
+    the names its new code calls are the closure variables ``cells`` (name -> object), so the
+    module gains no name. Compiled against the module's own globals, file name and line
+    numbers, like ``build_twin``; returns what the class body's ``def`` would have bound."""
+    funcdef = copy.deepcopy(analysed.funcdef)
+    _refuse_unportable(funcdef)
+    edit(funcdef)
+    decorators, funcdef.decorator_list = funcdef.decorator_list, []
+
+    factory = ast.parse(f"def {FACTORY}({', '.join(cells)}):\n    pass\n").body[0]
+    factory.body = [funcdef, ast.Return(value=ast.Name(id=funcdef.name, ctx=ast.Load()))]
+    tree = ast.fix_missing_locations(ast.Module(body=[factory], type_ignores=[]))
+
+    module = analysed.module
+    code = compile(tree, _filename(module), "exec", flags=_future_flags(module), dont_inherit=True)
+    namespace: dict = {}
+    exec(code, module.__dict__, namespace)
+    function = namespace[FACTORY](*cells.values())
+    function.__qualname__ = qualname
+    return _decorate(function, decorators, module)

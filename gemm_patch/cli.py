@@ -1,4 +1,9 @@
-"""The ``gemm-patch`` command (also ``python -m gemm_patch``)."""
+"""The gemm-patch command (also python -m gemm_patch).
+
+Every command ends in a documented exit status (see EPILOG). A refusal of strict mode
+(GemmPatchError, raised while the patch is applied or while a target module is imported) and a
+missing device or call site end in one line on stderr, never in a traceback.
+"""
 
 from __future__ import annotations
 
@@ -6,41 +11,103 @@ import argparse
 import json
 import sys
 
+# Exit statuses (``gemm-patch run`` exits with its command's own instead).
+EXIT_OK = 0
+EXIT_FAILED = 1  # strict-mode refusal, bad GEMM_PATCH_* value, doctor found a wrong backend, demo failed
+EXIT_NOT_APPLICABLE = 2  # usage error (argparse's own 2), or nothing to check or show here
 
-def _apply_as_on_import() -> str | None:
+DESCRIPTION = """\
+gemm-patch: what gemm_patch does to megatron-core in this environment.
+
+gemm_patch lets megatron-core's fused weight-gradient path write fp32 main grads from
+bf16/fp16 activations (Megatron-FSDP with gradient-accumulation fusion). `import gemm_patch`
+applies the patch; this command reports on it, checks it, and shows it."""
+
+EPILOG = """\
+exit status:
+  0  success: status printed; doctor: the backend in use is right; demo: the fix shown
+  1  refused or failed: GEMM_PATCH_STRICT=1 refused to leave a target unpatched, a
+     GEMM_PATCH_* variable holds a bad value, doctor found the backend in use wrong or
+     missing, or the demo's patched run failed
+  2  usage error, or nothing to do here: demo on a megatron-core release without the
+     Megatron-FSDP fused wgrad call (0.13.x and older), demo without torch and megatron-core,
+     doctor --device cuda where torch has no CUDA device
+  run: the exit status of COMMAND (127: not found, 126: cannot be started)
+
+Each error ends in one line on stderr, starting with "gemm-patch COMMAND:".
+GEMM_PATCH_LOG_LEVEL=DEBUG also logs the warnings that importing megatron raises
+(status, doctor and demo count them instead of showing them)."""
+
+
+def _apply_as_on_import() -> None:
     """What ``import gemm_patch`` does in any other process (the package skips it for its own
-    command); returns the error that strict mode raised, if any."""
+    command); raises GemmPatchError in strict mode."""
     import gemm_patch
 
-    try:
-        gemm_patch._auto_apply()
-    except gemm_patch.GemmPatchError as exc:
-        return str(exc)
-    return None
+    gemm_patch._auto_apply()
+
+
+def import_targets_quietly() -> int:
+    """Import every installed target module (so that status describes what the patch did to
+    them) with the warnings raised meanwhile held back: megatron warns on import about a
+    missing Transformer Engine or apex, which says nothing about gemm_patch. Returns how many
+    were held back; each is logged at DEBUG. The warning filters in force (-W,
+    PYTHONWARNINGS) still decide which warnings exist; a GemmPatchError propagates."""
+    import logging
+    import warnings
+
+    from .patcher import import_target_modules
+
+    with warnings.catch_warnings(record=True) as caught:
+        import_target_modules()
+    log = logging.getLogger("gemm_patch")
+    for w in caught:
+        log.debug("warning while importing the target modules: %s:%s: %s: %s",
+                  w.filename, w.lineno, w.category.__name__, w.message)
+    return len(caught)
+
+
+def warnings_note(count: int | None) -> str | None:
+    """The one line that says how many import warnings were not shown (None: nothing to say)."""
+    if not count:
+        return None
+    return (f"  ({count} warning{'s' if count != 1 else ''} from importing megatron suppressed; "
+            f"GEMM_PATCH_LOG_LEVEL=DEBUG shows them)")
 
 
 def _status(args: argparse.Namespace) -> int:
     import gemm_patch
 
-    if not args.no_import:
-        from .patcher import import_target_modules
-
-        import_target_modules()
+    suppressed = None if args.no_import else import_targets_quietly()
     st = gemm_patch.status()
-    print(json.dumps(st.as_dict(), indent=2, sort_keys=True) if args.json else st)
-    return 1 if st.config_error else 0
+    note = warnings_note(suppressed)
+    if args.json:
+        print(json.dumps(st.as_dict(), indent=2, sort_keys=True))
+        if note:  # stdout stays pure JSON
+            print(note.strip(), file=sys.stderr)
+    else:
+        print(st)
+        if note:
+            print(note)
+    return EXIT_FAILED if st.config_error else EXIT_OK
 
 
 def _demo(args: argparse.Namespace) -> int:
     from .demo import main as demo_main
 
-    return demo_main()
+    return demo_main(suppressed_warnings=import_targets_quietly())
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from .doctor import main as doctor_main
+    from . import doctor
 
-    return doctor_main(args.device, as_json=args.json, import_targets=not args.no_import)
+    problem = doctor.device_problem(args.device)
+    if problem:
+        print(f"gemm-patch doctor: {problem}", file=sys.stderr)
+        return EXIT_NOT_APPLICABLE
+    suppressed = None if args.no_import else import_targets_quietly()
+    return doctor.main(args.device, as_json=args.json, import_targets=False,
+                       note=warnings_note(suppressed))
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -50,35 +117,62 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gemm-patch", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("status", help="what is installed, what is patched, which backends run")
+    from . import __version__
+
+    parser = argparse.ArgumentParser(prog="gemm-patch", description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"gemm-patch {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = sub.add_parser("status", help="what is installed, what is patched, which backends run",
+                       description="Import the target modules, then say what the patch did to each, "
+                       "and which GEMM backends would run.", epilog=EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="machine-readable (schema 1)")
     p.add_argument("--no-import", action="store_true", help="don't import the target modules first")
     p.set_defaults(func=_status)
-    p = sub.add_parser("demo", help="the crash, then the fix, on megatron-core's FSDP wgrad path")
+    p = sub.add_parser("demo", help="the crash, then the fix, on megatron-core's FSDP wgrad path",
+                       description="Run megatron-core's Megatron-FSDP fused wgrad call unpatched (the "
+                       "crash), then patched (fp32 main grads, compared with fp64).", epilog=EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.set_defaults(func=_demo)
     p = sub.add_parser("doctor", help="check every backend against fp64 on this device; "
-                       "non-zero exit if the one in use is wrong or missing")
+                       "non-zero exit if the one in use is wrong or missing",
+                       description="Check every GEMM backend against fp64 on this device; exit 1 "
+                       "if the one in use is wrong or missing.", epilog=EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available, else cpu")
     p.add_argument("--json", action="store_true", help="machine-readable report (schema 1)")
     p.add_argument("--no-import", action="store_true", help="don't import the target modules first")
     p.set_defaults(func=_doctor)
     p = sub.add_parser("run", help="run a command with gemm_patch applied in every Python process "
-                       "it starts", usage="gemm-patch run -- COMMAND [ARGS ...]")
+                       "it starts", usage="gemm-patch run -- COMMAND [ARGS ...]",
+                       description="Run COMMAND with gemm_patch applied in every Python process it "
+                       "starts; exits with COMMAND's own status.")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="the command and its arguments")
     p.set_defaults(func=_run)
     return parser
 
 
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text.removeprefix("gemm_patch: ")
+
+
 def main(argv: list[str] | None = None) -> int:
+    from . import GemmPatchError
+
     args = build_parser().parse_args(argv)
-    if args.func is not _run:  # the launcher itself stays unpatched: only its command matters
-        error = _apply_as_on_import()
-        if error:
-            print(error, file=sys.stderr)
-            return 1
-    return args.func(args)
+    try:
+        if args.func is not _run:  # the launcher itself stays unpatched: only its command matters
+            _apply_as_on_import()
+        return args.func(args)
+    except GemmPatchError as exc:  # strict mode: from apply(), or from a target module's import
+        sys.stdout.flush()
+        line = _one_line(exc)
+        if "GEMM_PATCH_STRICT" not in line:
+            line += " (GEMM_PATCH_STRICT=1)"
+        print(f"gemm-patch {args.command}: {line}", file=sys.stderr)
+        return EXIT_FAILED
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -25,9 +25,11 @@ class Config:
     strict: bool = False
     backend: str = "auto"
     log_level: str = "INFO"
-    apex_shim: bool = True
-    auto: bool = False
-    te_overwrite: bool = True  # GEMM_PATCH_TE_OVERWRITE: the fsdp-te-overwrite targets
+    allow_unverified: bool = False
+    switches: Mapping[str, bool] = field(default_factory=dict)  # a target's variable -> on
+
+    def switch_on(self, variable: str) -> bool:
+        return self.switches.get(variable, True)
 
 
 def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
@@ -67,15 +69,27 @@ def strict_requested(env: Mapping[str, str] | None = None) -> bool:
         return False
 
 
-def load(env: Mapping[str, str] | None = None) -> Config:
-    """Read every GEMM_PATCH_* variable; raise ConfigError naming the first bad one."""
+def enabled(env: Mapping[str, str] | None = None) -> bool:
+    """``GEMM_PATCH`` alone: ``0`` beats every other variable, whatever their values."""
     env = os.environ if env is None else env
+    try:
+        return _flag(env, "GEMM_PATCH", True)
+    except ConfigError:
+        return True  # load() reports the bad value
+
+
+def load(env: Mapping[str, str] | None = None, switches: tuple[str, ...] = ()) -> Config:
+    """Read every GEMM_PATCH_* variable and each target switch in ``switches``; raise
+    ConfigError naming the first bad one. With ``GEMM_PATCH=0`` nothing else is read."""
+    env = os.environ if env is None else env
+    if not _flag(env, "GEMM_PATCH", True):
+        return Config(enabled=False)
+    _flag(env, "GEMM_PATCH_AUTO", False)  # read by the start-up hook; validated here for one message
     return Config(
-        enabled=_flag(env, "GEMM_PATCH", True),
+        enabled=True,
         strict=_flag(env, "GEMM_PATCH_STRICT", False),
         backend=_choice(env, "GEMM_PATCH_BACKEND", BACKEND_CHOICES, "auto"),
         log_level=_choice(env, "GEMM_PATCH_LOG_LEVEL", LOG_LEVEL_CHOICES, "INFO", str.upper),
-        apex_shim=_flag(env, "GEMM_PATCH_APEX", True),
-        auto=_flag(env, "GEMM_PATCH_AUTO", False),
-        te_overwrite=_flag(env, "GEMM_PATCH_TE_OVERWRITE", True),
+        allow_unverified=_flag(env, "GEMM_PATCH_ALLOW_UNVERIFIED", False),
+        switches={name: _flag(env, name, True) for name in dict.fromkeys(switches)},
     )

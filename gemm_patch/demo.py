@@ -1,4 +1,4 @@
-"""``gemm-patch demo``: the crash and the fix on megatron-core's real FSDP wgrad path."""
+"""gemm-patch demo: the crash and the fix on megatron-core's real FSDP wgrad path."""
 
 from __future__ import annotations
 
@@ -26,42 +26,93 @@ def _fsdp_step(layers, torch, main_dtype, device, tokens=512, hidden=1024, out_f
     return rel, bool(torch.isnan(main_grad).any())
 
 
-def main(out: io.TextIOBase = sys.stdout) -> int:
+# States in which gemm_patch's code sits on the call site (DESIGN-0.2: verified, compatible,
+# forced); any other state leaves megatron's own code in place.
+PATCHED_STATES = ("verified", "compatible", "forced")
+TARGET = "fsdp-wgrad"
+
+
+def _target(status):
+    return next((t for t in status.targets if t.name == TARGET), None)
+
+
+def _stop(message: str, code: int) -> int:
+    """End the demo in one line on stderr (``gemm-patch demo: ...``) and the exit status given."""
+    sys.stdout.flush()
+    print(f"gemm-patch demo: {message}", file=sys.stderr)
+    return code
+
+
+def _not_applicable(status, target) -> int:
+    mcore = status.versions.get("megatron-core") or "(version unknown)"
+    return _stop(f"nothing to show on megatron-core {mcore}: it has no Megatron-FSDP fused wgrad call "
+                 f"({TARGET} {target.state}); `gemm-patch status` says what gemm_patch does here", 2)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def main(out: io.TextIOBase | None = None, suppressed_warnings: int = 0) -> int:
+    """Exit status: 0 the fix shown; 1 the patch is not in place or its result is wrong;
+    2 nothing to show (no torch/megatron-core, or a release without the FSDP call)."""
+    import logging
+
     import gemm_patch
 
+    out = out or sys.stdout
+    log = logging.getLogger("gemm_patch")
     try:
         import megatron.core.tensor_parallel.layers as layers
         import torch
     except ImportError as exc:
-        print(f"demo needs torch and megatron-core importable: {exc}", file=out)
-        return 2
+        return _stop(f"needs torch and megatron-core importable: {exc}", 2)
+    from .cli import warnings_note
     from .dispatcher import active_dispatcher
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     st = gemm_patch.status()
-    print(f"megatron-core {st.versions['megatron-core']}, torch {torch.__version__}, device {device}", file=out)
+    target = _target(st)
+    if target is None:
+        return _stop(f"this gemm_patch has no {TARGET} target", 1)
+    if target.state == "not applicable":
+        return _not_applicable(st, target)
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    print(f"megatron-core {st.versions.get('megatron-core')}, torch {torch.__version__}, device {device}", file=out)
+    note = warnings_note(suppressed_warnings)
+    if note:
+        print(note.strip(), file=out)
     print("shape: tokens 512, hidden 1024 -> 2048, bf16 activations\n", file=out)
 
     gemm_patch.revert()
     try:
         _fsdp_step(layers, torch, torch.float32, device)
         print("unpatched, fp32 main_grad: no error (this release does not need the patch here)", file=out)
-    except RuntimeError as exc:
-        print(f"unpatched, fp32 main_grad: RuntimeError: {exc}", file=out)
+    except Exception as exc:  # megatron's own failure is what the demo shows
+        print(f"unpatched, fp32 main_grad: {_one_line(exc)}", file=out)
     finally:
         status = gemm_patch.apply()
-    target = status.targets[0]
-    print(f"patched: fsdp-wgrad {target.state} ({target.reason})\n", file=out)
-    if target.state not in ("verified", "unverified"):
-        return 1
+    target = _target(status)
+    if target.state == "not applicable":
+        return _not_applicable(status, target)
+    print(f"patched: {TARGET} {target.state} ({target.reason})\n", file=out)
+    if target.state not in PATCHED_STATES:
+        return _stop(f"{TARGET} is {target.state}, not patched: nothing to compare", 1)
 
     dispatcher = active_dispatcher()
     probe = torch.empty(1, 1, dtype=torch.bfloat16, device=device)
     fp32_backend = dispatcher.plan_for(probe, probe, probe.float())[0]
-    rows = [("fp32 (gemm_patch)", fp32_backend, *_fsdp_step(layers, torch, torch.float32, device)),
-            ("bf16 (original call)", "torch.matmul", *_fsdp_step(layers, torch, torch.bfloat16, device))]
+    try:
+        rows = [("fp32 (gemm_patch)", fp32_backend, *_fsdp_step(layers, torch, torch.float32, device)),
+                ("bf16 (original call)", "torch.matmul", *_fsdp_step(layers, torch, torch.bfloat16, device))]
+    except Exception as exc:
+        log.debug("the patched run failed", exc_info=True)
+        return _stop(f"the patched run failed: {_one_line(exc)} (GEMM_PATCH_LOG_LEVEL=DEBUG shows where)", 1)
     print("| main_grad            | backend      | rel. error vs fp64 | NaN left |", file=out)
     print("|----------------------|--------------|--------------------|----------|", file=out)
     for name, backend, rel, nan_left in rows:
         print(f"| {name:<20} | {backend:<12} | {rel:>18.2e} | {'yes' if nan_left else 'no':<8} |", file=out)
-    return 0 if rows[0][2] < 1e-5 and not rows[0][3] else 1
+    if rows[0][2] < 1e-5 and not rows[0][3]:
+        return 0
+    return _stop(f"the patched fp32 main_grad is wrong (relative error {rows[0][2]:.2e} vs fp64)", 1)

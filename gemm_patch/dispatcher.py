@@ -37,28 +37,13 @@ class WgradDispatcher:
         self._demoted: set[tuple[str, tuple]] = set()
         self._lock = threading.Lock()
 
-    # -- megatron-facing entry points -------------------------------------------------------
-
-    def fsdp_wgrad(self, a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor, param=None):
-        """Stands in for ``torch.matmul(grad_output.t(), total_input, out=weight.main_grad)``,
-        but accumulates (``out += a @ b``) where ``out`` is Megatron-FSDP's persistent
-        gradient buffer: overwriting it would keep only the last micro-batch's gradient."""
-        self.gemm(a, b, out, accumulate=param is not None and main_grad_is_persistent(param))
-        return out
-
-    def apex_wgrad(self, total_input: torch.Tensor, grad_output: torch.Tensor,
-                   main_grad: torch.Tensor) -> None:
-        """Stands in for apex's ``wgrad_gemm_accum_fp32/fp16(total_input, grad_output,
-        main_grad)``: ``main_grad += grad_output^T @ total_input`` in place."""
-        # apex folds leading dimensions into the token dimension ([s, b, h] -> [s*b, h]);
-        # megatron passes 2-D tensors already, for which reshape is a no-op view.
-        total_input = total_input.reshape(-1, total_input.shape[-1])
-        grad_output = grad_output.reshape(-1, grad_output.shape[-1])
-        self.gemm(grad_output.t(), total_input, main_grad, accumulate=True)
-
     # -- the dispatch itself ----------------------------------------------------------------
 
     def gemm(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
+        """``out = a @ b`` or, with ``accumulate``, ``out += a @ b``, into ``out`` as it is: a
+        wrong shape, dtype or device is an error before anything is written (``torch``'s ``out=``
+        would silently resize a mis-shaped buffer)."""
+        _check_operands(a, b, out)
         if a.dtype == out.dtype and b.dtype == out.dtype:
             # The original call already works here; keep its exact numerics (and keep fp32
             # operands away from TE, which would run them in TF32).
@@ -78,8 +63,6 @@ class WgradDispatcher:
                 backend.gemm(a, b, out, accumulate)
                 return
             except Exception as exc:
-                if not _shapes_match(a, b, out):
-                    raise  # the caller's mistake, not the backend's: don't demote anything
                 if backend is plan[-1]:
                     raise
                 self._demote(backend, key, exc)
@@ -129,27 +112,28 @@ class WgradDispatcher:
         }
 
 
-def main_grad_is_persistent(param) -> bool:
-    """Whether ``param.get_main_grad()`` returns Megatron-FSDP's persistent gradient buffer
-    (which holds the sum over the step's micro-batches, so a weight gradient must be added to
-    it) rather than a communication bucket allocated for this backward and reduced before the
-    next one (which must be overwritten: it is not zeroed and holds stale data).
-
-    Megatron-FSDP (megatron-core 0.14-0.19) sets ``param._gbuf`` to the parameter's gradient
-    buffer; its ``main_grad_getter`` calls ``_gbuf.fetch_bucket()``, which returns a view of the
-    buffer's own storage exactly when ``not _gbuf.is_data_distributed`` (``no_shard``/``optim``,
-    or any strategy on a single data-parallel rank), and a temporary bucket otherwise. Without
-    ``_gbuf`` it is not Megatron-FSDP's buffer: keep the overwrite of the call this replaces.
-    """
-    gbuf = getattr(param, "_gbuf", None)
-    if gbuf is None:
-        return False
-    return not getattr(gbuf, "is_data_distributed", True)
+class WgradOperandError(ValueError):
+    """The operands cannot make this weight gradient; nothing was written."""
 
 
-def _shapes_match(a, b, out) -> bool:
-    return a.dim() == 2 and b.dim() == 2 and a.shape[1] == b.shape[0] and \
-        tuple(out.shape) == (a.shape[0], b.shape[1])
+_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_operands(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    if (a.dim() == 2 and b.dim() == 2 and a.shape[1] == b.shape[0] and out.dim() == 2
+            and out.shape[0] == a.shape[0] and out.shape[1] == b.shape[1]
+            and out.device == a.device == b.device and out.dtype in _OUT_DTYPES and a.dtype == b.dtype):
+        return
+    raise WgradOperandError(
+        f"gemm_patch: cannot write the weight gradient grad_output^T @ input "
+        f"({_tensor(a)} @ {_tensor(b)}) into main_grad {_tensor(out)}: main_grad must be "
+        f"{a.shape[0] if a.dim() == 2 else '?'} x {b.shape[1] if b.dim() == 2 else '?'} "
+        f"(the weight's shape), on {a.device}, one of fp32/bf16/fp16, and both operands one dtype; "
+        "nothing was written")
+
+
+def _tensor(t: torch.Tensor) -> str:
+    return f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')} on {t.device}"
 
 
 def _describe(key) -> str:
@@ -175,43 +159,12 @@ def active_dispatcher() -> WgradDispatcher:
     """The process-wide dispatcher, built on first use from the current configuration."""
     global _active
     if _active is None:
-        from . import config
+        from .patcher import configured_backend
 
-        try:
-            backend = config.load().backend
-        except config.ConfigError:
-            backend = "auto"  # the bad value was already reported when the patch was applied
-        _active = WgradDispatcher(backend)
+        _active = WgradDispatcher(configured_backend())
     return _active
 
 
 def reset_active_dispatcher() -> None:
     global _active
     _active = None
-
-
-def fsdp_wgrad(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor, param=None):
-    """What the patched megatron-core call site calls; looks the dispatcher up per call so a
-    reconfigured or reset dispatcher takes effect without re-patching."""
-    return (_active or active_dispatcher()).fsdp_wgrad(a, b, out=out, param=param)
-
-
-def apex_wgrad(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
-    """What gemm_patch's stand-in for apex's ``fused_weight_gradient_mlp_cuda`` calls; looks the
-    dispatcher up per call, like ``fsdp_wgrad``."""
-    (_active or active_dispatcher()).apex_wgrad(total_input, grad_output, main_grad)
-
-
-def fsdp_wgrad_te(total_input: torch.Tensor, grad_output: torch.Tensor, *, out: torch.Tensor, param=None,
-                  **te_kwargs) -> None:
-    """Stands in for megatron-core 0.18+'s own ``te_general_gemm(total_input, grad_output,
-    out_dtype=main_grad.dtype, layout="NT", out=main_grad, grad=True)`` on the Megatron-FSDP
-    path (reached only where megatron found TE). Where the buffer is fresh that very call runs,
-    unchanged; where it persists, the product is added through the dispatcher instead, since
-    that call's overwrite would drop the earlier micro-batches."""
-    if param is not None and main_grad_is_persistent(param):
-        (_active or active_dispatcher()).gemm(grad_output.t(), total_input, out, accumulate=True)
-        return
-    from megatron.core.extensions.transformer_engine import te_general_gemm
-
-    te_general_gemm(total_input, grad_output, out=out, **te_kwargs)

@@ -1,4 +1,4 @@
-"""``gemm-patch doctor``: does the backend this process would use compute the wgrad GEMM
+"""gemm-patch doctor: does the backend this process would use compute the wgrad GEMM
 right, here, on this device?
 
 Every backend of the dispatcher runs each case (16-bit inputs into an fp32 output, with and
@@ -151,6 +151,21 @@ def format_report(report: Report, patch_line: str | None = None) -> str:
     return "\n".join(lines)
 
 
+def device_problem(device: str | None) -> str | None:
+    """Why the doctor cannot run on ``device`` here (one line), or None."""
+    try:
+        import torch
+    except ImportError as exc:
+        return f"needs torch importable: {exc}"
+    if device == "cuda" and not torch.cuda.is_available():
+        if not torch.backends.cuda.is_built():
+            return (f"--device cuda: this torch ({torch.__version__}) is built without CUDA; "
+                    f"use --device cpu, or install a CUDA build of torch")
+        return (f"--device cuda: torch {torch.__version__} (CUDA {torch.version.cuda}) sees no CUDA device; "
+                f"check CUDA_VISIBLE_DEVICES and the driver, or use --device cpu")
+    return None
+
+
 def patch_summary(import_targets: bool = True) -> str:
     """One line on the patch itself: the state of each target (importing them first)."""
     import gemm_patch
@@ -165,13 +180,24 @@ def patch_summary(import_targets: bool = True) -> str:
     return f"patch: {'applied' if st.applied else 'not applied'}; megatron-core {mcore}: {targets}"
 
 
-def main(device: str | None = None, as_json: bool = False, import_targets: bool = True) -> int:
+def main(device: str | None = None, as_json: bool = False, import_targets: bool = True,
+         note: str | None = None) -> int:
+    """Exit status: 0 the backend in use is right; 1 it is wrong or missing, or a variable holds
+    a bad value; 2 the device asked for is not there (one line on stderr). ``note``: a line
+    printed under the patch line (the ``gemm-patch`` command's count of import warnings)."""
     import json
 
+    problem = device_problem(device)
+    if problem:
+        print(f"gemm-patch doctor: {problem}", file=sys.stderr)
+        return 2
     report = run_checks(device)
     if as_json:
         print(json.dumps(report.as_dict(), indent=2, sort_keys=True))
+        if note:  # stdout stays pure JSON
+            print(note.strip(), file=sys.stderr)
     else:
-        print(format_report(report, patch_summary(import_targets)))
+        patch_line = patch_summary(import_targets)
+        print(format_report(report, f"{patch_line}\n{note}" if note else patch_line))
     sys.stdout.flush()
     return 0 if report.ok else 1

@@ -1,9 +1,10 @@
 """The one place that decides what gets patched, when, and how it is undone.
 
-``apply()`` registers a wrapt post-import hook per target module; wrapt runs it at once if the
-module is already imported, otherwise right after its import. ``revert()`` replays each
-target's undo list. Both hold one lock, so they are idempotent and thread-safe; the hooks stay
-registered (wrapt cannot remove them) but do nothing while the patch is reverted.
+``apply()`` reads the configuration once, watches each target module (``imports.watch``: the
+hook runs after every execution of the module, so re-imports and reloads are patched too) and
+patches the modules already imported. ``revert()`` replays each install's undo list, leaving
+alone (and reporting) whatever is no longer gemm_patch's. One lock makes both idempotent and
+thread-safe; the watches stay, and do nothing while the patch is reverted.
 """
 
 from __future__ import annotations
@@ -13,38 +14,26 @@ import sys
 import threading
 import types
 from dataclasses import dataclass, field
-from typing import Any
 
-import wrapt
-
-from . import config, detection
-from .targets import (
-    APEX_WGRAD,
-    APEX_WORDS,
+from . import config, detection, imports
+from .report import Status, SummaryLog, configure_logging, emit, log
+from .targets import REGISTRY
+from .targets.apex_wgrad import TARGET as APEX_TARGET
+from .targets.apex_wgrad import apex_word
+from .targets.base import (
     NOT_APPLICABLE,
     OFF,
+    PATCHED_STATES,
     PENDING,
+    REPLACED,
     SKIPPED,
-    TARGETS,
-    UNVERIFIED,
+    Refused,
+    Target,
     TargetStatus,
     Undo,
-    UnverifiedRefused,
-    apex_summary,
-    apex_word,
 )
 
-log = logging.getLogger("gemm_patch")
-
-_lock = threading.RLock()
-_wanted = False
-_hooked: set[str] = set()
-_undo: dict[str, Undo] = {}
-_states: dict[str, TargetStatus] = {}
-_config_error: str | None = None
-_summary_logged = False  # the once-per-process summary line
-_late_logged = False  # the one extra line for targets whose module was imported after it
-_logged_targets: set[str] = set()
+__all__ = ["GemmPatchError", "Status", "apply", "revert", "status", "import_target_modules", "log"]
 
 
 class GemmPatchError(RuntimeError):
@@ -52,179 +41,172 @@ class GemmPatchError(RuntimeError):
 
 
 @dataclass
-class Status:
-    version: str
-    applied: bool
-    strict: bool
-    backend: str
-    config_error: str | None
-    versions: dict[str, str | None]
-    targets: list[TargetStatus]
-    backends: dict[str, Any] = field(default_factory=dict)
-    apex: str = "unknown"  # a key of targets.APEX_WORDS
+class _Install:
+    module: types.ModuleType
+    undo: Undo
 
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "schema": 1,
-            "gemm_patch": self.version,
-            "applied": self.applied,
-            "strict": self.strict,
-            "backend": self.backend,
-            "config_error": self.config_error,
-            "versions": self.versions,
-            "targets": [t.as_dict() for t in self.targets],
-            "backends": self.backends,
-            "apex": self.apex,
-        }
 
-    def __str__(self) -> str:
-        lines = [f"gemm_patch {self.version}: {'applied' if self.applied else 'not applied'}"
-                 f"{' (strict)' if self.strict else ''}"]
-        if self.config_error:
-            lines.append(f"  configuration error: {self.config_error}")
-        installed = ", ".join(f"{k} {v}" for k, v in self.versions.items() if v is not None)
-        lines.append(f"  installed: {installed or 'none of megatron-core, TE, torch, NeMo'}")
-        width = max([12, *(len(t.name) for t in self.targets)])
-        for t in self.targets:
-            lines.append(f"  {t.name:<{width}} {t.state:<15} {t.reason}")
-        lines.append(f"  apex: {self.apex}: {APEX_WORDS.get(self.apex, '')}")
-        if self.backends:
-            lines.append(f"  backends: {' > '.join(self.backends.get('order', []))}"
-                         f" (GEMM_PATCH_BACKEND={self.backend})")
-            for name, why in self.backends.get("unavailable", {}).items():
-                lines.append(f"    {name}: unavailable: {why}")
-            for item in self.backends.get("demoted", []):
-                lines.append(f"    demoted: {item}")
-        return "\n".join(lines)
+@dataclass
+class _State:
+    cfg: config.Config | None = None  # the configuration of the last apply(); None: not applied
+    config_error: str | None = None
+    disabled: str | None = None
+    statuses: dict[str, TargetStatus] = field(default_factory=dict)
+    installs: dict[str, _Install] = field(default_factory=dict)
+    watched: set[str] = field(default_factory=set)
+    summary: SummaryLog = field(default_factory=SummaryLog)
+    warned: set[str] = field(default_factory=set)
+
+
+_lock = threading.RLock()
+_state = _State()
+
+# Top-level package of a target module -> the component whose version keys its fingerprints.
+_COMPONENTS = {t.module.split(".")[0]: t.distribution for t in REGISTRY}
+
+
+def _switches() -> tuple[str, ...]:
+    return tuple(t.switch_variable for t in REGISTRY)
 
 
 def _read_config(strict: bool | None) -> config.Config | None:
-    global _config_error
     try:
-        cfg = config.load()
-        _config_error = None
+        cfg = config.load(switches=_switches())
+        _state.config_error = None
     except config.ConfigError as exc:
-        _config_error = str(exc)
+        _state.config_error = str(exc)
         if strict or (strict is None and config.strict_requested()):
             raise GemmPatchError(f"gemm_patch: {exc}") from None
-        log.error("gemm_patch not applied: %s", exc)
+        emit(logging.ERROR, f"gemm_patch not applied: {exc}")
         return None
     if strict is not None:
         cfg = config.Config(**{**cfg.__dict__, "strict": strict})
     return cfg
 
 
-def configure_logging(level: str) -> None:
-    if not log.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("[gemm_patch] %(levelname)s: %(message)s"))
-        log.addHandler(handler)
-        log.propagate = False
-    log.setLevel(level)
-
-
 def apply(strict: bool | None = None) -> Status:
     """Patch every target now or, for modules not yet imported, right after their import.
 
-    ``strict`` overrides ``GEMM_PATCH_STRICT``. Calling it again is a no-op."""
-    global _wanted, _strict
+    ``strict`` overrides ``GEMM_PATCH_STRICT``. Calling it again is a no-op for what is still
+    in place. Under ``GEMM_PATCH=0`` it applies nothing and the status says why."""
+    if not config.enabled():
+        with _lock:
+            _state.disabled = "GEMM_PATCH=0: nothing is applied, through any entry point"
+        return status()
+    _wait_for_half_imported_modules()
     with _lock:
+        _state.disabled = None
         cfg = _read_config(strict)
         if cfg is None:
             return status()
         configure_logging(cfg.log_level)
-        _wanted, _strict = True, cfg.strict
-        for target in TARGETS:
-            if target.name in _undo:
-                continue
-            _states[target.name] = TargetStatus(target.name, target.module, PENDING,
-                                                f"waiting for `import {target.module}`")
-            if target.module not in _hooked:
-                _hooked.add(target.module)
-                wrapt.register_post_import_hook(_on_import, target.module)
-            elif target.module in sys.modules:
-                _on_import(sys.modules[target.module])
+        _state.cfg = cfg
+        for target in REGISTRY:
+            if target.name not in _state.statuses or _state.statuses[target.name].state == OFF:
+                _state.statuses[target.name] = TargetStatus(target.name, target.module, PENDING,
+                                                            f"waiting for `import {target.module}`")
+        for name in sorted({t.module for t in REGISTRY}):
+            if name not in _state.watched:
+                _state.watched.add(name)
+                imports.watch(name, _on_exec)
+            module = sys.modules.get(name)
+            if module is not None and not imports.still_importing(module):
+                _patch_module(module, reexecuted=False)
         return status()
 
 
-_strict = False
+def _wait_for_half_imported_modules() -> None:
+    """A target module another thread is still executing is patched once its import is done:
+    patching the half-built module would fail and never be retried. Waits outside the lock; a
+    module this thread is itself executing is patched from a helper thread when it is done."""
+    for name in sorted({t.module for t in REGISTRY}):
+        module = sys.modules.get(name)
+        if module is None or not imports.still_importing(module):
+            continue
+        if imports.wait_until_imported(name) is None:
+            threading.Thread(target=_patch_when_imported, args=(name,), daemon=True,
+                             name=f"gemm_patch-wait-{name}").start()
+
+
+def _patch_when_imported(name: str) -> None:
+    module = imports.wait_until_imported(name)
+    if module is not None:
+        with _lock:
+            if _state.cfg is not None:
+                _patch_module(module, reexecuted=False)
 
 
 def revert() -> Status:
-    """Restore every patched object to the exact original; a no-op when nothing is applied."""
-    global _wanted
+    """Restore every patched object to the exact original; a no-op when nothing is applied.
+    What something else has replaced since is left as it is, with one warning."""
     with _lock:
-        _wanted = False
-        for name in list(_undo):
-            _undo.pop(name).run()
-        for name, st in _states.items():
-            _states[name] = TargetStatus(name, st.module, OFF, "reverted by gemm_patch.revert()",
-                                         st.version, st.fingerprint)
+        _state.cfg = None
+        for name, install in list(_state.installs.items()):
+            left = install.undo.run()
+            del _state.installs[name]
+            st = _state.statuses[name]
+            if left:
+                reason = f"revert() left {'; '.join(left)} (installed over gemm_patch's object)"
+                _warn_once(f"revert:{name}", f"{name}: {reason}")
+                _state.statuses[name] = TargetStatus(name, st.module, REPLACED, reason, st.version, st.fingerprint)
+            else:
+                _state.statuses[name] = TargetStatus(name, st.module, OFF, "reverted by gemm_patch.revert()",
+                                                     st.version, st.fingerprint)
+        for name, st in _state.statuses.items():
+            if st.state == PENDING:
+                _state.statuses[name] = TargetStatus(name, st.module, OFF, "reverted by gemm_patch.revert()")
         return status()
 
 
-def _on_import(module: types.ModuleType) -> None:
+def _on_exec(module: types.ModuleType) -> None:
     with _lock:
-        if not _wanted:
-            return
-        version = _distribution_version(module)
-        done = []
-        for target in TARGETS:
-            if target.module != module.__name__ or target.name in _undo:
-                continue
-            try:
-                st, undo = target.patch(module, version, _strict)
-            except UnverifiedRefused as exc:
-                raise GemmPatchError(str(exc)) from None
-            except Exception as exc:  # a fault in the patcher must not break the import
-                if _strict:
-                    raise
-                st, undo = TargetStatus(target.name, target.module, SKIPPED,
-                                        f"internal error while patching: {type(exc).__name__}: {exc}",
-                                        version), Undo()
-            if st.state == SKIPPED and _strict:
-                raise GemmPatchError(f"{target.name}: {st.reason} (GEMM_PATCH_STRICT=1)")
-            if undo.steps:
-                _undo[target.name] = undo
-            _states[target.name] = st
-            done.append(st)
-        if done:
-            _log_summary(done)
+        if _state.cfg is not None:
+            _patch_module(module, reexecuted=True)
 
 
-# Top-level package of a target module -> the component whose version keys its fingerprints.
-_COMPONENTS = {"megatron": "megatron-core", "megatron_fsdp": "megatron-fsdp"}
+def _patch_module(module: types.ModuleType, reexecuted: bool) -> None:
+    """Patch every target of ``module``; ``reexecuted``: its code has just run (again), so an
+    earlier install on it is gone with the objects it replaced."""
+    cfg = _state.cfg
+    version = _distribution_version(module)
+    done = []
+    for target in REGISTRY:
+        if target.module != module.__name__:
+            continue
+        earlier = _state.installs.get(target.name)
+        if earlier is not None:
+            if earlier.module is module and not reexecuted and target.in_place(module, earlier.undo) is None:
+                continue  # apply() again: still in place
+            earlier.undo.run()  # a re-executed or replaced module: forget the stale install
+            del _state.installs[target.name]
+        try:
+            st, undo = target.patch(module, version, cfg)
+        except Refused as exc:
+            _state.statuses[target.name] = TargetStatus(target.name, target.module, SKIPPED, str(exc), version)
+            raise GemmPatchError(str(exc)) from None
+        except Exception as exc:  # a fault in the patcher must not break the import
+            if cfg.strict:
+                raise
+            st, undo = TargetStatus(target.name, target.module, SKIPPED,
+                                    f"internal error while patching: {type(exc).__name__}: {exc}", version), Undo()
+        if undo.steps:
+            _state.installs[target.name] = _Install(module, undo)
+        _state.statuses[target.name] = st
+        done.append(st)
+    if done:
+        _state.summary.record(_COMPONENTS.get(module.__name__.split(".")[0], "megatron-core"), version,
+                              done, _backend_summary())
+
+
+def configured_backend() -> str:
+    """GEMM_PATCH_BACKEND as the last apply() read it (``auto`` before, or after a bad value)."""
+    with _lock:
+        return _state.cfg.backend if _state.cfg is not None else "auto"
 
 
 def _distribution_version(module: types.ModuleType) -> str | None:
     component = _COMPONENTS.get(module.__name__.split(".")[0])
     return detection.distribution_version(component) if component else None
-
-
-def _log_summary(done: list[TargetStatus]) -> None:
-    """One line per process (rank 0 at INFO, other ranks at DEBUG) for the targets patched
-    first, and at most one more for targets first seen later (Megatron-FSDP's module is imported
-    by ``megatron.core.distributed``, before or after the layers module, or not at all; any
-    further ones at DEBUG); a re-apply after revert() logs nothing new."""
-    global _summary_logged, _late_logged
-    level = logging.INFO if detection.process_rank() == 0 else logging.DEBUG
-    for st in done:
-        if st.state == UNVERIFIED:
-            log.warning("%s patched but unverified: %s", st.name, st.reason)
-    new = [st for st in done if st.name not in _logged_targets]
-    _logged_targets.update(st.name for st in done)
-    if _summary_logged and not new:
-        return
-    parts = ", ".join(apex_summary(st) if st.name == APEX_WGRAD.name else f"{st.name} {st.state}"
-                      for st in (new if _summary_logged else done))
-    component = _COMPONENTS.get(done[0].module.split(".")[0], "megatron-core")
-    if not _summary_logged:
-        _summary_logged = True
-        log.log(level, "%s %s: %s; %s", component, done[0].version, parts, _backend_summary())
-    else:
-        level = logging.DEBUG if _late_logged else level
-        _late_logged = True
-        log.log(level, "%s %s: %s", component, done[0].version, parts)
 
 
 def _backend_summary() -> str:
@@ -233,16 +215,33 @@ def _backend_summary() -> str:
     return "backends " + ">".join(active_dispatcher().order)
 
 
-def _resolve_pending(target: Any, st: TargetStatus | None) -> TargetStatus | None:
-    """A pending target whose module cannot exist in what is installed (its package is imported
-    but has no such module: megatron-core 0.13.1 has no Megatron-FSDP) reads as not applicable;
-    its hook stays registered, so a module that turns up later is still patched."""
-    if st is None or st.state != PENDING or detection.module_findable(target.module) is not False:
-        return st
-    version = detection.distribution_version(target.distribution)
-    reason = (f"{target.distribution} {version} has no module {target.module}" if version
-              else f"{target.distribution} is not installed (no {target.module.split('.')[0]} package)")
-    return TargetStatus(st.name, st.module, NOT_APPLICABLE, reason, version)
+def _warn_once(key: str, message: str) -> None:
+    if key not in _state.warned:
+        _state.warned.add(key)
+        emit(logging.WARNING, message)
+
+
+def _live_status(target: Target) -> TargetStatus:
+    """The recorded status, checked against the live module: a patch that is no longer what
+    the module uses reads ``replaced``; a pending target whose module cannot exist in what is
+    installed reads ``not applicable``."""
+    st = _state.statuses.get(target.name)
+    if st is None:
+        return TargetStatus(target.name, target.module, OFF, "gemm_patch.apply() not called")
+    install = _state.installs.get(target.name)
+    if st.state in PATCHED_STATES and install is not None:
+        live = sys.modules.get(target.module)
+        problem = (f"{target.module} is no longer the imported module" if live is not install.module
+                   else target.in_place(live, install.undo))
+        if problem:
+            return TargetStatus(st.name, st.module, REPLACED, f"{problem}; gemm_patch.apply() patches it again "
+                                f"where it can", st.version, st.fingerprint)
+    if st.state == PENDING and detection.module_findable(target.module) is False:
+        version = detection.distribution_version(target.distribution)
+        reason = (f"{target.distribution} {version} has no module {target.module}" if version
+                  else f"{target.distribution} is not installed (no {target.module.split('.')[0]} package)")
+        return TargetStatus(st.name, st.module, NOT_APPLICABLE, reason, version)
+    return st
 
 
 def status() -> Status:
@@ -250,23 +249,21 @@ def status() -> Status:
     from . import __version__
 
     with _lock:
-        try:
-            cfg = config.load()
-        except config.ConfigError:
-            cfg = config.Config()
-        targets = [
-            _resolve_pending(t, _states.get(t.name))
-            or TargetStatus(t.name, t.module, OFF, "gemm_patch.apply() not called")
-            for t in TARGETS
-        ]
-        backends: dict[str, Any] = {}
+        cfg = _state.cfg
+        if cfg is None:
+            try:
+                cfg = config.load(switches=_switches())
+            except config.ConfigError:
+                cfg = config.Config()
+        targets = [_live_status(t) for t in REGISTRY]
+        backends: dict = {}
         if "torch" in sys.modules:  # never pull torch in just to describe backends
             from .dispatcher import active_dispatcher
 
             backends = active_dispatcher().describe()
-        return Status(__version__, _wanted, _strict, cfg.backend, _config_error,
-                      detection.installed_versions(), targets, backends,
-                      apex_word(_states.get(APEX_WGRAD.name), cfg.apex_shim))
+        apex = apex_word(next(t for t in targets if t.name == APEX_TARGET.name))
+        return Status(__version__, _state.cfg is not None, cfg.strict, cfg.backend, _state.config_error,
+                      detection.installed_versions(), targets, backends, apex, _state.disabled)
 
 
 def import_target_modules() -> None:
@@ -274,7 +271,7 @@ def import_target_modules() -> None:
     them rather than that it is waiting for them (``gemm-patch status`` and ``doctor``)."""
     import importlib
 
-    for module in sorted({t.module for t in TARGETS}):
+    for module in sorted({t.module for t in REGISTRY}):
         try:
             importlib.import_module(module)
         except ImportError:

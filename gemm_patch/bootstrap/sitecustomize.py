@@ -6,8 +6,11 @@ distribution or container image ships). This file therefore
 
 1. finds that other sitecustomize (the next one on sys.path after this directory) and runs it,
    first, so the process is set up exactly as it would have been without the launcher;
-2. then applies gemm_patch through ``_gemm_patch_startup`` (its neighbour in the source tree;
-   a wheel install ships that module at the root of site-packages instead).
+2. then starts gemm_patch's start-up hook, ``_gemm_patch_startup`` (its neighbour in the source
+   tree; a wheel install ships that module at the root of site-packages instead), which imports
+   gemm_patch (so applies it) when the process first imports megatron, megatron_fsdp, ...; a
+   process that never does never imports gemm_patch. If that sitecustomize already imported
+   megatron, gemm_patch is imported at once.
 
 It never raises: a failure of its own is one line on stderr, and the process runs on
 unpatched. The syntax stays plain because any interpreter started under the launcher parses

@@ -1,0 +1,24 @@
+"""Everything gemm_patch patches: one module per target, one line each here.
+
+A new target is a module with a ``Target`` (see ``base``) and a line in ``REGISTRY``; a new
+release of a known target is one line in that target's ``fingerprints``.
+"""
+
+from __future__ import annotations
+
+from . import apex_wgrad, fsdp_wgrad, te_overwrite
+from .base import Target
+
+REGISTRY: tuple[Target, ...] = (
+    fsdp_wgrad.TARGET,
+    apex_wgrad.TARGET,
+    te_overwrite.TARGET,
+    te_overwrite.STANDALONE,
+)
+
+
+def by_name(name: str) -> Target:
+    for target in REGISTRY:
+        if target.name == name:
+            return target
+    raise KeyError(f"no target {name!r}; known: {', '.join(t.name for t in REGISTRY)}")

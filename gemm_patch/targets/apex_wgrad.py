@@ -1,0 +1,134 @@
+"""apex-wgrad: provide apex's compiled ``fused_weight_gradient_mlp_cuda`` where it did not import.
+
+megatron-core refuses ``gradient_accumulation_fusion=True`` without it, even for Megatron-FSDP
+parameters that never call it. The stand-in is a plain module whose two functions mean what
+apex's do, ``main_grad += grad_output^T @ total_input`` with fp32 accumulation, through the
+WgradDispatcher. It goes into ``sys.modules`` (for by-name imports such as the deferred
+embedding wgrad in ``megatron/core/utils.py``) and into the layers module's globals, and the
+availability flag becomes True. A real apex is never shadowed.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import sys
+import types
+from dataclasses import dataclass
+from typing import Any
+
+from ..apex_analysis import find_apex_usage
+from .base import APEX_REAL, NOT_APPLICABLE, OFF, PATCHED_STATES, SKIPPED, Inspection, Target, TargetStatus, Undo
+
+EXTENSION = "fused_weight_gradient_mlp_cuda"
+_MARKER = "__gemm_patch_stand_in__"
+
+
+def apex_wgrad(total_input: Any, grad_output: Any, main_grad: Any) -> None:
+    """apex's ``wgrad_gemm_accum_fp32/fp16(total_input, grad_output, main_grad)``."""
+    from ..dispatcher import active_dispatcher
+
+    # apex folds leading dimensions into the token dimension ([s, b, h] -> [s*b, h]).
+    total_input = total_input.reshape(-1, total_input.shape[-1])
+    grad_output = grad_output.reshape(-1, grad_output.shape[-1])
+    active_dispatcher().gemm(grad_output.t(), total_input, main_grad, accumulate=True)
+
+
+def _build_stand_in() -> types.ModuleType:
+    module = types.ModuleType(EXTENSION, f"gemm_patch's stand-in for apex's {EXTENSION} "
+                                         "(apex's extension is not importable here).")
+    # A spec makes importlib.util.find_spec(EXTENSION) answer instead of raising ValueError
+    # for a sys.modules entry whose __spec__ is None.
+    module.__spec__ = importlib.machinery.ModuleSpec(EXTENSION, loader=None, origin="gemm_patch")
+    module.wgrad_gemm_accum_fp32 = apex_wgrad  # fp32 main_grad
+    module.wgrad_gemm_accum_fp16 = apex_wgrad  # 16-bit main_grad, the operands' dtype
+    setattr(module, _MARKER, True)
+    return module
+
+
+# One object per process, so identity checks hold across apply/revert cycles.
+STAND_IN: types.ModuleType = _build_stand_in()
+
+
+def is_stand_in(obj: object) -> bool:
+    """True for this stand-in, and for one built by another copy of gemm_patch."""
+    return isinstance(obj, types.ModuleType) and getattr(obj, _MARKER, False) is True
+
+
+@dataclass(frozen=True, kw_only=True)
+class ApexWgradTarget(Target):
+    extension: str
+    flag: str
+    calls: tuple[str, ...]
+
+    def precheck(self, module: types.ModuleType) -> tuple[str, str] | None:
+        ext, where = self.extension, module.__name__
+        present = vars(module).get(ext)
+        if present is not None and not is_stand_in(present):
+            return APEX_REAL, f"apex's {ext} was imported by {where}; used untouched"
+        elsewhere = sys.modules.get(ext)
+        if elsewhere is not None and not is_stand_in(elsewhere):
+            return SKIPPED, (f"{ext} was imported after {where} (which found none); left alone: a real "
+                             "extension is never shadowed")
+        return None
+
+    def inspect(self, module: types.ModuleType) -> Inspection:
+        usage = find_apex_usage(module, self.extension, self.flag, self.calls)
+        where = module.__name__
+        if usage.guarded_import is None or usage.flag_default is None:
+            return Inspection(usage.fingerprint, False, f"{where} has no guarded `import {self.extension}` "
+                                                        f"setting {self.flag}")
+        if not usage.calls:
+            return Inspection(usage.fingerprint, False,
+                              f"{where} calls none of {self.extension}.{{{', '.join(self.calls)}}}")
+        provided = f"apex missing: {self.extension}.{{{', '.join(usage.call_names)}}} provided by gemm_patch"
+        return Inspection(usage.fingerprint, True, provided, usage)
+
+    def install(self, module: types.ModuleType, found: Inspection, undo: Undo) -> None:
+        undo.set_item(sys.modules, self.extension, STAND_IN)
+        undo.set(module, self.extension, STAND_IN)
+        undo.set(module, self.flag, True)
+
+
+TARGET = ApexWgradTarget(
+    name="apex-wgrad",
+    distribution="megatron-core",
+    module="megatron.core.tensor_parallel.layers",
+    switch="GEMM_PATCH_APEX",
+    relies_on="apex usage",
+    extension=EXTENSION,
+    flag="_grad_accum_fusion_available",
+    calls=("wgrad_gemm_accum_fp32", "wgrad_gemm_accum_fp16"),
+    fingerprints={
+        # The guarded import, ColumnParallelLinear's check and the two backward calls have not
+        # changed from 0.13.1 to 0.19.2 (RowParallelLinear has no check in any of them).
+        "0.13.1": "08d38a954a90ad6e",
+        "0.14.0": "08d38a954a90ad6e",
+        "0.15.3": "08d38a954a90ad6e",
+        "0.16.1": "08d38a954a90ad6e",
+        "0.17.1": "08d38a954a90ad6e",
+        "0.18.2": "08d38a954a90ad6e",
+        "0.19.2": "08d38a954a90ad6e",
+    },
+)
+
+# status()'s one word on apex (JSON "apex"), and what it means.
+APEX_WORDS = {
+    "real": "apex's fused_weight_gradient_mlp_cuda is real and used untouched",
+    "provided": "provided by gemm_patch (apex's fused_weight_gradient_mlp_cuda is missing)",
+    "off": "not provided (GEMM_PATCH_APEX=0, or gemm_patch reverted or not applied)",
+    "missing": "missing and not provided (see the apex-wgrad target)",
+    "unknown": "not checked yet (megatron-core's layers module not imported)",
+}
+
+
+def apex_word(st: TargetStatus | None) -> str:
+    """``real``, ``provided``, ``off``, ``missing`` or ``unknown``, from the apex-wgrad state."""
+    if st is None or st.state == "pending":
+        return "unknown"
+    if st.state == APEX_REAL:
+        return "real"
+    if st.state in PATCHED_STATES:
+        return "provided"
+    if st.state == OFF:
+        return "off"
+    return "missing" if st.state != NOT_APPLICABLE else "unknown"

@@ -1,0 +1,246 @@
+"""The Target base: one template for every patch gemm_patch makes.
+
+``Target.patch`` is the only path from a live module to an installed patch: its switch (a
+variable, declared as data) -> ``inspect`` the live module -> judge the fingerprint against the
+recorded releases -> ``install`` through an ``Undo`` that can put back exactly what it replaced.
+A target supplies ``inspect`` and ``install``; a new release is one line in ``fingerprints``.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+VERIFIED = "verified"  # the code relied on is the one recorded for this release
+COMPATIBLE = "compatible"  # identical to the code of another verified release
+UNVERIFIED = "unverified"  # unknown code: left alone
+FORCED = "forced"  # unknown code, patched because GEMM_PATCH_ALLOW_UNVERIFIED=1
+NOT_APPLICABLE = "not applicable"
+SKIPPED = "skipped"  # could not be inspected, or the live object is not the one on disk
+PENDING = "pending"
+OFF = "off"
+APEX_REAL = "apex real"  # apex-wgrad: apex's own extension imported, nothing to provide
+REPLACED = "replaced"  # another object sits where gemm_patch's was: left as it is
+
+PATCHED_STATES = frozenset({VERIFIED, COMPATIBLE, FORCED})
+
+ALLOW_UNVERIFIED = "GEMM_PATCH_ALLOW_UNVERIFIED"
+
+
+@dataclass
+class TargetStatus:
+    name: str
+    module: str
+    state: str
+    reason: str
+    version: str | None = None
+    fingerprint: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class Refused(Exception):
+    """Strict mode: a target that is not patched for a reason strict mode does not accept."""
+
+
+@dataclass
+class Undo:
+    """Assignments to reverse, newest last. Each step remembers what it installed, so ``run``
+    restores only what is still gemm_patch's and reports the rest instead of dropping it."""
+
+    steps: list[tuple[Any, str, Any, bool, Any, bool]] = field(default_factory=list)
+
+    def set(self, owner: Any, attribute: str, value: Any) -> None:
+        existed = attribute in vars(owner)
+        self.steps.append((owner, attribute, vars(owner).get(attribute), existed, value, False))
+        setattr(owner, attribute, value)
+
+    def set_item(self, mapping: dict, key: str, value: Any) -> None:
+        self.steps.append((mapping, key, mapping.get(key), key in mapping, value, True))
+        mapping[key] = value
+
+    def in_place(self) -> list[str]:
+        """What no longer holds gemm_patch's object (empty when everything is in place)."""
+        return [_where(owner, name, is_item) for owner, name, _, _, installed, is_item in self.steps
+                if _current(owner, name, is_item) is not installed]
+
+    def run(self) -> list[str]:
+        """Put back every original that still sits under gemm_patch's object; return a
+        description of each place left alone because something else was put there since."""
+        left = []
+        for owner, name, original, existed, installed, is_item in reversed(self.steps):
+            if _current(owner, name, is_item) is not installed:
+                left.append(f"{_where(owner, name, is_item)} is now {_describe(_current(owner, name, is_item))}")
+                continue
+            if is_item:
+                if existed:
+                    owner[name] = original
+                else:
+                    del owner[name]
+            elif existed:
+                setattr(owner, name, original)
+            else:
+                delattr(owner, name)
+        self.steps.clear()
+        return left
+
+
+_ABSENT = object()
+
+
+def _current(owner: Any, name: str, is_item: bool) -> Any:
+    return owner.get(name, _ABSENT) if is_item else vars(owner).get(name, _ABSENT)
+
+
+def _where(owner: Any, name: str, is_item: bool) -> str:
+    if is_item:
+        return f"sys.modules[{name!r}]"
+    return f"{getattr(owner, '__qualname__', getattr(owner, '__name__', type(owner).__name__))}.{name}"
+
+
+def _describe(obj: Any) -> str:
+    if obj is _ABSENT:
+        return "deleted"
+    return f"{type(obj).__module__}.{type(obj).__qualname__} object"
+
+
+@dataclass(frozen=True)
+class Inspection:
+    """What ``Target.inspect`` found: the fingerprint of the code the patch relies on, whether
+    the patch applies, why (a phrase naming what was found or missing), and whatever ``install``
+    needs (``payload``)."""
+
+    fingerprint: str | None
+    applicable: bool
+    reason: str
+    payload: Any = None
+
+
+def public_version(version: str | None) -> str:
+    """``0.18.2+e1a6d4d`` -> ``0.18.2``: megatron-core >= 0.18 appends the git hash of any
+    checkout it sits in; the fingerprint, not the suffix, decides whether the code is known."""
+    if not version:
+        return ""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(version).public
+    except InvalidVersion:
+        return version
+
+
+@dataclass(frozen=True, kw_only=True)
+class Target:
+    name: str
+    distribution: str  # whose version keys ``fingerprints``
+    module: str  # the module whose import triggers the patch
+    fingerprints: Mapping[str, str]  # public release -> fingerprint of the code relied on
+    switch: str = ""  # the variable that turns this target off; "" derives GEMM_PATCH_<NAME>
+    relies_on: str = "code"  # what the fingerprint covers, in reasons
+
+    @property
+    def switch_variable(self) -> str:
+        return self.switch or "GEMM_PATCH_" + self.name.upper().replace("-", "_")
+
+    def expected_state(self, version: str | None) -> str:
+        """What the version matrix expects on an unmodified release."""
+        return VERIFIED if public_version(version) in self.fingerprints else NOT_APPLICABLE
+
+    # -- what a target supplies ---------------------------------------------------------------
+
+    def precheck(self, module: types.ModuleType) -> tuple[str, str] | None:
+        """A (state, reason) that settles the target before any inspection, or None."""
+        return None
+
+    def inspect(self, module: types.ModuleType) -> Inspection:
+        """Read the live module (and its source); raise ``callsite.CallSiteError`` to skip."""
+        raise NotImplementedError
+
+    def install(self, module: types.ModuleType, found: Inspection, undo: Undo) -> None:
+        """Make the patch, every assignment through ``undo``."""
+        raise NotImplementedError
+
+    def in_place(self, module: types.ModuleType, undo: Undo) -> str | None:
+        """None while the installed patch is what ``module`` uses; otherwise what is there."""
+        left = undo.in_place()
+        return f"{', '.join(left)} no longer gemm_patch's" if left else None
+
+    # -- the template ------------------------------------------------------------------------
+
+    def patch(self, module: types.ModuleType, version: str | None, cfg: Any) -> tuple[TargetStatus, Undo]:
+        """Judge and, where proven, patch ``module``. Raises ``Refused`` under strict mode for
+        unknown code and for a skip; every other outcome is a status."""
+        from ..callsite import CallSiteError
+
+        def status(state: str, reason: str, fp: str | None = None) -> TargetStatus:
+            return TargetStatus(self.name, self.module, state, reason, version, fp)
+
+        if not cfg.switch_on(self.switch_variable):
+            return status(OFF, f"{self.switch_variable}=0"), Undo()
+        settled = self.precheck(module)
+        if settled is not None:
+            return status(*settled), Undo()
+        try:
+            found = self.inspect(module)
+        except CallSiteError as exc:
+            if cfg.strict:
+                raise Refused(f"{self.name}: {exc}; refused because GEMM_PATCH_STRICT=1") from None
+            return status(SKIPPED, str(exc)), Undo()
+        if not found.applicable:
+            return status(NOT_APPLICABLE, found.reason, found.fingerprint), Undo()
+        state, reason = self.judge(version, found, cfg)
+        if state == UNVERIFIED:
+            if cfg.strict:
+                raise Refused(f"{self.name}: {reason}; refused because GEMM_PATCH_STRICT=1")
+            return status(state, reason, found.fingerprint), Undo()
+        undo = Undo()
+        self.install(module, found, undo)
+        return status(state, reason, found.fingerprint), undo
+
+    def judge(self, version: str | None, found: Inspection, cfg: Any) -> tuple[str, str]:
+        fp, dist = found.fingerprint, self.distribution
+        release = public_version(version)
+        if self.fingerprints.get(release) == fp:
+            return VERIFIED, f"{found.reason}: {self.relies_on} matches {dist} {version}"
+        twins = [v for v, known in self.fingerprints.items() if known == fp]
+        if twins:
+            return COMPATIBLE, (f"{found.reason}: {dist} {version or '(unknown version)'} is not a verified "
+                                f"release, but its {self.relies_on} is identical to {dist} {twins[-1]}'s")
+        recorded = self.fingerprints.get(release)
+        differs = (f"fingerprint {fp} differs from the recorded {recorded}" if recorded
+                   else f"{dist} {version or '(unknown version)'} is not a verified release and its "
+                        f"fingerprint {fp} matches none that is")
+        reason = f"{found.reason}: {self.relies_on} unknown ({differs})"
+        if cfg.allow_unverified:
+            return FORCED, f"{reason}; patched because {ALLOW_UNVERIFIED}=1"
+        return UNVERIFIED, f"{reason}; left alone ({ALLOW_UNVERIFIED}=1 patches it)"
+
+
+@dataclass(frozen=True, kw_only=True)
+class MethodTarget(Target):
+    """A target that replaces one method, ``owner.attribute`` of its module, with a wrapt
+    ``FunctionWrapper`` (``__wrapped__`` is megatron's function), marked with the target name."""
+
+    owner: str
+    attribute: str
+
+    @property
+    def where(self) -> str:
+        return f"{self.owner}.{self.attribute}"
+
+    def live_object(self, module: types.ModuleType) -> Any:
+        cls = vars(module).get(self.owner)
+        return vars(cls).get(self.attribute) if isinstance(cls, type) else None
+
+    def replace(self, module: types.ModuleType, undo: Undo, wrapper: Any) -> None:
+        wrapper._self_gemm_patch_target = self.name
+        undo.set(getattr(module, self.owner), self.attribute, wrapper)
+
+    def in_place(self, module: types.ModuleType, undo: Undo) -> str | None:
+        live = self.live_object(module)
+        if getattr(live, "_self_gemm_patch_target", None) == self.name:
+            return None
+        return f"{module.__name__}.{self.where} is now {_describe(live)}, not gemm_patch's wrapper"

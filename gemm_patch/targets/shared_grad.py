@@ -1,0 +1,183 @@
+"""fsdp-shared-grad / mfsdp-shared-grad: Megatron-FSDP keeps the other uses' gradient of a weight
+whose fused wgrad went into ``main_grad`` when megatron marks it ``zero_out_wgrad``.
+
+A weight used more than once in one backward, some uses through the fused wgrad and others
+through plain autograd (the tied embedding/output weight: output projection fused, embedding
+lookup not), reaches the gradient hook with its fused products already in ``main_grad``,
+``grad_added_to_main_grad`` set, and the lookup's gradient in ``param.grad`` on top of
+megatron's zero dummy. ``LanguageModule`` marks that weight ``zero_out_wgrad = True`` (the dummy
+is zeros exactly so that ``param.grad`` can be added), and megatron's DDP adds ``param.grad`` when
+``not grad_added_to_main_grad or zero_out_wgrad``. Megatron-FSDP's post-backward hook
+``_grad_acc`` (nested in ``MegatronFSDP._register_fsdp_hooks``) deletes ``param.grad`` whenever
+the flag is set, so the embedding's gradient is lost.
+
+The patch rebuilds ``_register_fsdp_hooks`` from its source with one statement of the nested
+``_grad_acc`` changed::
+
+    if param.grad_added_to_main_grad and param.grad is not None:
+        _gemm_patch_shared_grad(param, to_local_if_dtensor)   # added
+        del param.grad
+
+``add_shared_grad`` adds ``param.grad`` into ``param.get_main_grad()`` (the same persistent view,
+or the same not-yet-reduced fresh bucket, that the fused writes of this backward went into) only
+for a ``zero_out_wgrad`` weight, as DDP does. The method runs once per MegatronFSDP, in its
+``__init__``: instances built before the patch keep upstream's hooks.
+"""
+
+from __future__ import annotations
+
+import ast
+import types
+from dataclasses import dataclass
+from typing import Any
+
+import wrapt
+
+from ..callsite import (
+    AnalysedFunction,
+    CallSiteError,
+    build_edited_twin,
+    canonical_dump,
+    check_live_is_source,
+    fingerprint,
+    parse_method,
+)
+from .base import Inspection, MethodTarget, Undo
+
+NESTED = "_grad_acc"
+STATEMENT = "if param.grad_added_to_main_grad and param.grad is not None:\n    del param.grad\n"
+TO_LOCAL = "to_local_if_dtensor"
+CELL = "_gemm_patch_shared_grad"
+
+
+def add_shared_grad(param: Any, to_local: Any) -> None:
+    """Megatron's DDP rule for a weight whose fused wgrad is already in main_grad: with
+    ``zero_out_wgrad`` the dummy wgrad megatron returned is zeros, so ``param.grad`` holds the
+    gradient of the weight's other, non-fused uses (the tied embedding lookup) and is added;
+    without it the dummy may be uninitialised memory and ``param.grad`` is dropped, as upstream."""
+    if getattr(param, "zero_out_wgrad", False):
+        param.main_grad = param.get_main_grad()
+        param.main_grad.add_(to_local(param.grad))
+
+
+def _nested(funcdef: ast.FunctionDef) -> list[ast.FunctionDef]:
+    return [n for n in funcdef.body if isinstance(n, ast.FunctionDef) and n.name == NESTED]
+
+
+def _statements(nested: ast.FunctionDef) -> list[ast.If]:
+    template = canonical_dump(ast.parse(STATEMENT).body[0])
+    return [n for n in nested.body if isinstance(n, ast.If) and canonical_dump(n) == template]
+
+
+def _site(funcdef: ast.FunctionDef) -> ast.If:
+    """The one statement to change, in ``funcdef`` (the method or a copy of it)."""
+    nested = _nested(funcdef)
+    if len(nested) != 1:
+        raise CallSiteError(f"{len(nested)} nested `def {NESTED}` in {funcdef.name}")
+    statements = _statements(nested[0])
+    if len(statements) != 1:
+        raise CallSiteError(f"{len(statements)} `{STATEMENT.splitlines()[0]}` in {NESTED}")
+    return statements[0]
+
+
+def _edit(funcdef: ast.FunctionDef) -> None:
+    statement = _site(funcdef)
+    call = ast.Expr(value=ast.Call(func=ast.Name(id=CELL, ctx=ast.Load()),
+                                   args=[ast.Name(id="param", ctx=ast.Load()),
+                                         ast.Name(id=TO_LOCAL, ctx=ast.Load())],
+                                   keywords=[]))
+    # Positions of the `del`: a traceback through the added call points at megatron's line.
+    statement.body.insert(0, ast.copy_location(call, statement.body[0]))
+
+
+def _run_method_twin(twin: Any):
+    def wrapper(wrapped, instance, args, kwargs):
+        return twin(instance, *args, **kwargs)
+
+    return wrapper
+
+
+class PatchedHookRegistration(wrapt.FunctionWrapper):
+    """The installed object: a wrapt FunctionWrapper around megatron's method (``__wrapped__``)
+    whose calls run the twin with the changed ``_grad_acc``."""
+
+    def __init__(self, original: Any, twin: Any) -> None:
+        super().__init__(original, _run_method_twin(twin))
+        self._self_gemm_patch_twin = twin
+
+
+@dataclass(frozen=True, kw_only=True)
+class SharedGradTarget(MethodTarget):
+    def inspect(self, module: types.ModuleType) -> Inspection:
+        funcdef = parse_method(module, self.owner, self.attribute)
+        if funcdef is None or self.live_object(module) is None:
+            return Inspection(None, False, f"{module.__name__} has no {self.where}")
+        fp = fingerprint(funcdef)
+        if not _nested(funcdef):
+            return Inspection(fp, False, f"no nested `def {NESTED}` in {self.where}")
+        if not any(_statements(n) for n in _nested(funcdef)):
+            return Inspection(fp, False, f"no `{STATEMENT.splitlines()[0]} del param.grad` in "
+                                         f"{self.where}.{NESTED}")
+        _site(funcdef)  # exactly one of each, or CallSiteError: skipped
+        if not callable(vars(module).get(TO_LOCAL)):
+            raise CallSiteError(f"{module.__name__} has no global {TO_LOCAL}")
+        check_live_is_source(module, self.owner, self.attribute)
+        return Inspection(fp, True, f"{self.where}.{NESTED}", AnalysedFunction(module, funcdef, fp, []))
+
+    def install(self, module: types.ModuleType, found: Inspection, undo: Undo) -> None:
+        twin = build_edited_twin(found.payload, self.where, _edit, {CELL: add_shared_grad})
+        self.replace(module, undo, PatchedHookRegistration(self.live_object(module), twin))
+
+
+_COMMON = dict(
+    switch="GEMM_PATCH_SHARED_GRAD",
+    relies_on="hook registration",
+    owner="MegatronFSDP",
+    attribute="_register_fsdp_hooks",
+)
+
+TARGET = SharedGradTarget(
+    name="fsdp-shared-grad",
+    distribution="megatron-core",
+    module="megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp",
+    fingerprints={
+        # 0.13.x: no Megatron-FSDP module (custom_fsdp's _grad_acc has no such statement).
+        "0.14.0": "99228b570bb84d8e",
+        "0.15.0": "99228b570bb84d8e",
+        "0.15.1": "99228b570bb84d8e",
+        "0.15.2": "99228b570bb84d8e",
+        "0.15.3": "99228b570bb84d8e",
+        "0.16.0": "62f5447e61f4d33c",
+        "0.16.1": "62f5447e61f4d33c",
+        "0.17.0": "42da297bc646f54b",
+        "0.17.1": "42da297bc646f54b",
+        "0.18.0": "f5f26f551e2b148a",
+        "0.18.2": "f5f26f551e2b148a",
+        "0.19.0": "983ac5ad1757938e",
+        "0.19.2": "983ac5ad1757938e",
+    },
+    **_COMMON,
+)
+
+# The same class shipped on its own (PyPI megatron-fsdp, imported as ``megatron_fsdp``), keyed by
+# megatron-fsdp's version; one switch for both.
+STANDALONE = SharedGradTarget(
+    name="mfsdp-shared-grad",
+    distribution="megatron-fsdp",
+    module="megatron_fsdp.megatron_fsdp",
+    fingerprints={
+        "0.1.0": "99228b570bb84d8e",  # = megatron-core 0.14.0-0.15.3's copy
+        "0.2.0": "99228b570bb84d8e",
+        "0.2.1": "99228b570bb84d8e",
+        "0.2.2": "99228b570bb84d8e",
+        "0.2.3": "99228b570bb84d8e",
+        "0.3.0": "62f5447e61f4d33c",  # = 0.16.x
+        "0.3.1": "62f5447e61f4d33c",
+        "0.4.0": "42da297bc646f54b",  # = 0.17.x
+        "0.5.0": "f5f26f551e2b148a",  # = 0.18.x
+        "0.5.1": "f5f26f551e2b148a",
+        "0.6.0": "983ac5ad1757938e",  # = 0.19.x
+        "0.6.1": "983ac5ad1757938e",
+    },
+    **_COMMON,
+)

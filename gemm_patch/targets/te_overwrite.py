@@ -1,0 +1,116 @@
+"""fsdp-te-overwrite / mfsdp-te-overwrite: undo Megatron-FSDP's ``param.overwrite_main_grad =
+True`` where it is wrong.
+
+Megatron-FSDP sets the flag on every parameter it unshards
+(``MegatronFSDP.all_gather_and_wait_parameters_ready``); Transformer Engine's linear layers
+read it in forward and then overwrite ``main_grad`` in backward instead of adding to it. Over a
+persistent buffer (``no_shard``/``optim``, or any strategy on one data-parallel rank) that keeps
+only the last micro-batch. The wrapper runs the method, then resets the flag of each such
+parameter; parameters with fresh per-backward buckets keep True.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+from typing import Any
+
+import wrapt
+
+from ..callsite import check_live_is_source, find_statement
+from .base import Inspection, MethodTarget, Undo
+from .fsdp_wgrad import main_grad_is_persistent
+
+STATEMENT = "param.overwrite_main_grad = True"
+
+
+def _params_argument(args: tuple, kwargs: dict) -> tuple[Any, tuple, dict]:
+    """The ``params`` argument (first after self), as a list where it was a one-shot iterator
+    (the original walks it, and so does the reset)."""
+    if args:
+        params, rest = args[0], args[1:]
+        if iter(params) is params:
+            params = list(params)
+        return params, (params, *rest), kwargs
+    params = kwargs.get("params", ())
+    if iter(params) is params:
+        params = list(params)
+        kwargs = {**kwargs, "params": params}
+    return params, args, kwargs
+
+
+class PatchedOverwriteFlag(wrapt.FunctionWrapper):
+    """A wrapt FunctionWrapper around the original method (``__wrapped__``); ``resets`` counts
+    the flags it has reset."""
+
+    def __init__(self, original: Any) -> None:
+        super().__init__(original, self._reset_after)
+        self._self_resets = 0
+
+    @property
+    def resets(self) -> int:
+        return self._self_resets
+
+    def _reset_after(self, wrapped, instance, args, kwargs):
+        params, args, kwargs = _params_argument(args, kwargs)
+        result = wrapped(*args, **kwargs)
+        for param in params:
+            if getattr(param, "overwrite_main_grad", False) and main_grad_is_persistent(param):
+                param.overwrite_main_grad = False
+                self._self_resets += 1
+        return result
+
+
+@dataclass(frozen=True, kw_only=True)
+class OverwriteFlagTarget(MethodTarget):
+    statement: str = STATEMENT
+
+    def inspect(self, module: types.ModuleType) -> Inspection:
+        found = find_statement(module, self.owner, self.attribute, self.statement)
+        if found is None or self.live_object(module) is None:
+            return Inspection(None, False, f"{module.__name__} has no {self.where}")
+        if not found.matches:
+            return Inspection(found.fingerprint, False, f"no `{self.statement}` in {self.where}")
+        check_live_is_source(module, self.owner, self.attribute)
+        return Inspection(found.fingerprint, True, self.where, found)
+
+    def install(self, module: types.ModuleType, found: Inspection, undo: Undo) -> None:
+        self.replace(module, undo, PatchedOverwriteFlag(self.live_object(module)))
+
+
+TARGET = OverwriteFlagTarget(
+    name="fsdp-te-overwrite",
+    distribution="megatron-core",
+    module="megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp",
+    switch="GEMM_PATCH_TE_OVERWRITE",
+    relies_on=f"`{STATEMENT}` method",
+    owner="MegatronFSDP",
+    attribute="all_gather_and_wait_parameters_ready",
+    fingerprints={
+        # 0.13.x has no such module (custom_fsdp sets no flag), 0.14.0 no such statement.
+        "0.15.3": "cc3e6cbc490ab4f5",
+        "0.16.1": "3c8b4af212ce4004",  # + the bwd argument
+        "0.17.1": "3c8b4af212ce4004",
+        "0.18.2": "3c8b4af212ce4004",
+        "0.19.2": "3c8b4af212ce4004",
+    },
+)
+
+# The same class shipped on its own (PyPI megatron-fsdp, imported as ``megatron_fsdp``), keyed by
+# megatron-fsdp's version; one switch for both.
+STANDALONE = OverwriteFlagTarget(
+    name="mfsdp-te-overwrite",
+    distribution="megatron-fsdp",
+    module="megatron_fsdp.megatron_fsdp",
+    switch="GEMM_PATCH_TE_OVERWRITE",
+    relies_on=f"`{STATEMENT}` method",
+    owner="MegatronFSDP",
+    attribute="all_gather_and_wait_parameters_ready",
+    fingerprints={
+        "0.2.3": "cc3e6cbc490ab4f5",  # = megatron-core 0.15.3's copy
+        "0.3.1": "3c8b4af212ce4004",
+        "0.4.0": "3c8b4af212ce4004",
+        "0.5.1": "3c8b4af212ce4004",
+        "0.6.1": "3c8b4af212ce4004",
+    },
+)

@@ -10,9 +10,13 @@ import sys
 import pytest
 from source_modules import load_source
 
-from gemm_patch.apex_analysis import analyse
-from gemm_patch.apex_stand_in import STAND_IN
-from gemm_patch.targets import APEX_WGRAD, UnverifiedRefused, apex_word
+from gemm_patch.apex_analysis import find_apex_usage
+from gemm_patch.config import Config
+from gemm_patch.targets.apex_wgrad import STAND_IN, apex_word
+from gemm_patch.targets.apex_wgrad import TARGET as APEX_WGRAD
+from gemm_patch.targets.base import Refused
+
+STRICT = Config(strict=True)
 
 EXT = APEX_WGRAD.extension
 
@@ -48,18 +52,18 @@ def load(tmp_path, monkeypatch):
 
 
 def target_for(module, **changes):
-    fp = analyse(module, EXT, APEX_WGRAD.flag, APEX_WGRAD.calls).fingerprint
+    fp = find_apex_usage(module, EXT, APEX_WGRAD.flag, APEX_WGRAD.calls).fingerprint
     return dataclasses.replace(APEX_WGRAD, fingerprints={"9.9.9": fp}, **changes)
 
 
 def test_provides_and_undoes_exactly(load):
     module = load(GUARD + CHECK + CALLS)
     before = dict(vars(module))
-    st, undo = target_for(module).patch(module, "9.9.9", strict=True)
+    st, undo = target_for(module).patch(module, "9.9.9", STRICT)
     assert st.state == "verified", st.reason
     assert module.fused_weight_gradient_mlp_cuda is STAND_IN and sys.modules[EXT] is STAND_IN
     assert module._grad_accum_fusion_available is True
-    assert apex_word(st, True) == "provided"
+    assert apex_word(st) == "provided"
     undo.run()
     assert EXT not in sys.modules
     assert vars(module).keys() == before.keys() and all(vars(module)[k] is before[k] for k in before)
@@ -71,21 +75,23 @@ def test_provides_and_undoes_exactly(load):
 ])
 def test_not_applicable_without_the_guard_or_the_calls(load, source, why):
     module = load(source)
-    st, undo = target_for(module).patch(module, "9.9.9", strict=True)
+    st, undo = target_for(module).patch(module, "9.9.9", STRICT)
     assert st.state == "not applicable" and why in st.reason, st.reason
     assert undo.steps == [] and EXT not in sys.modules
-    assert apex_word(st, True) == "missing"
+    assert apex_word(st) == "missing"
 
 
 def test_a_changed_call_is_unverified_and_refused_in_strict_mode(load):
     verified = load(GUARD + CHECK + CALLS, "verified_layers")
     changed = load(GUARD + CHECK + CALLS.replace("(total_input, grad_output,", "(grad_output, total_input,"))
     target = target_for(verified)
-    with pytest.raises(UnverifiedRefused, match="source differs from megatron-core 9.9.9"):
-        target.patch(changed, "9.9.9", strict=True)
+    with pytest.raises(Refused, match="differs from the recorded"):
+        target.patch(changed, "9.9.9", STRICT)
     assert EXT not in sys.modules
-    st, undo = target.patch(changed, "9.9.9", strict=False)
-    assert st.state == "unverified" and sys.modules[EXT] is STAND_IN
+    st, undo = target.patch(changed, "9.9.9", Config())
+    assert st.state == "unverified" and EXT not in sys.modules and undo.steps == []
+    st, undo = target.patch(changed, "9.9.9", Config(allow_unverified=True))
+    assert st.state == "forced" and sys.modules[EXT] is STAND_IN
     undo.run()
 
 
@@ -94,16 +100,16 @@ def test_a_real_extension_is_never_shadowed(load, monkeypatch):
     monkeypatch.setitem(sys.modules, EXT, real)
     module = load(GUARD + CHECK + CALLS)
     assert module.fused_weight_gradient_mlp_cuda is real
-    st, undo = target_for(module).patch(module, "9.9.9", strict=True)
+    st, undo = target_for(module).patch(module, "9.9.9", STRICT)
     assert st.state == "apex real" and undo.steps == []
     assert sys.modules[EXT] is real and module._grad_accum_fusion_available is True
-    assert apex_word(st, True) == "real"
+    assert apex_word(st) == "real"
 
 
 def test_switched_off_by_the_variable(load, monkeypatch):
-    monkeypatch.setenv("GEMM_PATCH_APEX", "0")
+    cfg = Config(switches={"GEMM_PATCH_APEX": False})
     module = load(GUARD + CHECK + CALLS)
-    st, undo = target_for(module).patch(module, "9.9.9", strict=True)
+    st, undo = target_for(module).patch(module, "9.9.9", cfg)
     assert st.state == "off" and "GEMM_PATCH_APEX=0" in st.reason
     assert undo.steps == [] and EXT not in sys.modules and module._grad_accum_fusion_available is False
-    assert apex_word(st, False) == "off"
+    assert apex_word(st) == "off"

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gemm_patch.backends import Backend, ExactFallbackBackend, all_backends
-from gemm_patch.dispatcher import WgradDispatcher
+from gemm_patch.dispatcher import WgradDispatcher, WgradOperandError
 
 
 def operands(m=24, k=40, n=16, dtype=torch.bfloat16, out_dtype=torch.float32, seed=0):
@@ -90,9 +90,30 @@ def test_shape_errors_are_raised_not_swallowed():
     failing = RaisingBackend()
     d = WgradDispatcher(backends={"te": failing, "fallback": ExactFallbackBackend()})
     a, b, _ = operands()
-    with pytest.raises(RuntimeError):
+    with pytest.raises(WgradOperandError):
         d.gemm(a, b, torch.empty(3, 3), accumulate=False)
     assert d.describe()["demoted"] == []
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+@pytest.mark.parametrize("case", ["3d_fp16", "wider_view_of_flat_fp32", "transposed", "int32", "mixed_operands"])
+def test_a_wrong_main_grad_is_an_error_before_anything_is_written(case, accumulate):
+    """torch's out= would resize a mis-shaped buffer: a (2, 24, 16) fp16 buffer got both halves
+    written, a (24, 17) view of a flat fp32 buffer was reshaped to (24, 16) with its tail NaN."""
+    a, b, _ = operands()  # (24, 40) @ (40, 16)
+    flat = torch.full((2 * 24 * 17,), float("nan"))
+    out = {"3d_fp16": torch.full((2, 24, 16), float("nan"), dtype=torch.float16),
+           "wider_view_of_flat_fp32": flat[:24 * 17].view(24, 17),
+           "transposed": torch.full((16, 24), float("nan")),
+           "int32": torch.zeros(24, 16, dtype=torch.int32),
+           "mixed_operands": torch.full((24, 16), float("nan"))}[case]
+    if case == "mixed_operands":
+        b = b.float()
+    before = (out.shape, out.stride(), out.clone(), flat.clone())
+    with pytest.raises(WgradOperandError, match="main_grad must be 24 x 16"):
+        WgradDispatcher().gemm(a, b, out, accumulate=accumulate)
+    assert (out.shape, out.stride()) == before[:2]
+    assert torch.equal(out.isnan(), before[2].isnan()) and torch.equal(flat.isnan(), before[3].isnan())
 
 
 def test_forced_backend_order_keeps_the_fallback_last():

@@ -12,20 +12,20 @@ import types
 import pytest
 from source_modules import load_source
 
-from gemm_patch import config, detection, patcher
-from gemm_patch.callsite import analyse_statement
-from gemm_patch.targets import (
-    FSDP_TE_OVERWRITE,
-    MFSDP_TE_OVERWRITE,
-    TARGETS,
-    PatchedOverwriteFlag,
-    TargetStatus,
-    UnverifiedRefused,
-)
+from gemm_patch import config, detection, patcher, report
+from gemm_patch.callsite import find_statement
+from gemm_patch.targets import REGISTRY
+from gemm_patch.targets.base import Refused, TargetStatus
+from gemm_patch.targets.te_overwrite import STANDALONE as MFSDP_TE_OVERWRITE
+from gemm_patch.targets.te_overwrite import TARGET as FSDP_TE_OVERWRITE
+from gemm_patch.targets.te_overwrite import PatchedOverwriteFlag
 
 torch = pytest.importorskip("torch")
 
 METHOD = "all_gather_and_wait_parameters_ready"
+STRICT = config.Config(strict=True)
+LENIENT = config.Config()
+ALLOW = config.Config(allow_unverified=True)
 SOURCE = '''
 class MegatronFSDP:
     def __init__(self, strategy):
@@ -54,7 +54,7 @@ def load(tmp_path):
 
 
 def target_for(module, **changes):
-    found = analyse_statement(module, "MegatronFSDP", METHOD, FSDP_TE_OVERWRITE.statement)
+    found = find_statement(module, "MegatronFSDP", METHOD, FSDP_TE_OVERWRITE.statement)
     return dataclasses.replace(FSDP_TE_OVERWRITE, fingerprints={"9.9.9": found.fingerprint}, **changes)
 
 
@@ -69,7 +69,7 @@ def test_verified_resets_persistent_only_and_undoes_exactly(load):
     module = load(SOURCE)
     cls = module.MegatronFSDP
     original = vars(cls)[METHOD]
-    st, undo = target_for(module).patch(module, "9.9.9", strict=True)
+    st, undo = target_for(module).patch(module, "9.9.9", STRICT)
     assert st.state == "verified" and st.fingerprint, st.reason
     installed = vars(cls)[METHOD]
     assert isinstance(installed, PatchedOverwriteFlag) and installed.__wrapped__ is original
@@ -91,9 +91,9 @@ def test_the_wrapper_is_what_makes_the_difference(load):
     """The reset comes from the wrapper: with the wrapped function replaced by a recorder
     nothing but the reset happens, and with no wrapper the flag stays."""
     module = load(SOURCE)
-    st, undo = target_for(module).patch(module, "9.9.9", strict=True)
+    st, undo = target_for(module).patch(module, "9.9.9", STRICT)
     seen = []
-    wrapper = PatchedOverwriteFlag(lambda self, params, **kw: seen.append(list(params)), "t")
+    wrapper = PatchedOverwriteFlag(lambda self, params, **kw: seen.append(list(params)))
     p = param(False)
     p.overwrite_main_grad = True
     wrapper.__get__(module.MegatronFSDP("optim"))([p])
@@ -103,7 +103,7 @@ def test_the_wrapper_is_what_makes_the_difference(load):
 
 def test_no_shard_adds_no_attribute(load):
     module = load(SOURCE)
-    _, undo = target_for(module).patch(module, "9.9.9", strict=True)
+    _, undo = target_for(module).patch(module, "9.9.9", STRICT)
     p = param(False)
     module.MegatronFSDP("no_shard").all_gather_and_wait_parameters_ready(params=[p])
     assert not hasattr(p, "overwrite_main_grad")
@@ -118,45 +118,51 @@ def test_no_shard_adds_no_attribute(load):
 def test_not_applicable_without_the_method_or_the_statement(load, source, why):
     module = load(source)
     before = {k: v for k, v in vars(module).items()}
-    st, undo = FSDP_TE_OVERWRITE.patch(module, "9.9.9", strict=True)
+    st, undo = FSDP_TE_OVERWRITE.patch(module, "9.9.9", STRICT)
     assert st.state == "not applicable" and why in st.reason, st.reason
     assert undo.steps == [] and all(vars(module)[k] is v for k, v in before.items())
 
 
-def test_a_changed_method_is_unverified_and_refused_in_strict_mode(load):
+def test_a_changed_method_is_left_alone_unless_allowed_and_refused_in_strict_mode(load):
     verified = load(SOURCE, "verified_fsdp")
     changed = load(SOURCE.replace("prefetch=True", "prefetch=False"))
     target = target_for(verified)
-    with pytest.raises(UnverifiedRefused, match="source differs from megatron-core 9.9.9"):
-        target.patch(changed, "9.9.9", strict=True)
-    assert not isinstance(vars(changed.MegatronFSDP)[METHOD], PatchedOverwriteFlag)
-    st, undo = target.patch(changed, "9.9.9", strict=False)
-    assert st.state == "unverified" and isinstance(vars(changed.MegatronFSDP)[METHOD], PatchedOverwriteFlag)
+    original = vars(changed.MegatronFSDP)[METHOD]
+    with pytest.raises(Refused, match="differs from the recorded"):
+        target.patch(changed, "9.9.9", STRICT)
+    st, undo = target.patch(changed, "9.9.9", LENIENT)
+    assert st.state == "unverified" and "GEMM_PATCH_ALLOW_UNVERIFIED=1" in st.reason, st.reason
+    assert undo.steps == [] and vars(changed.MegatronFSDP)[METHOD] is original
+    st, undo = target.patch(changed, "9.9.9", ALLOW)
+    assert st.state == "forced" and isinstance(vars(changed.MegatronFSDP)[METHOD], PatchedOverwriteFlag)
     undo.run()
-    st, undo = target.patch(verified, "1.0.0", strict=False)
-    assert st.state == "unverified" and "not a verified release" in st.reason
+    # Unknown release, known code: compatible, patched, the reason names the release it matches.
+    st, undo = target.patch(verified, "1.0.0", STRICT)
+    assert st.state == "compatible" and "identical to megatron-core 9.9.9" in st.reason, st.reason
     undo.run()
 
 
 def test_switched_off_by_the_variable(load, monkeypatch):
-    monkeypatch.setenv("GEMM_PATCH_TE_OVERWRITE", "0")
+    cfg = config.load({"GEMM_PATCH_TE_OVERWRITE": "0"}, switches=("GEMM_PATCH_TE_OVERWRITE",))
     module = load(SOURCE)
     original = vars(module.MegatronFSDP)[METHOD]
-    st, undo = target_for(module).patch(module, "9.9.9", strict=True)
+    st, undo = target_for(module).patch(module, "9.9.9", cfg)
     assert st.state == "off" and "GEMM_PATCH_TE_OVERWRITE=0" in st.reason
     assert undo.steps == [] and vars(module.MegatronFSDP)[METHOD] is original
 
 
 def test_config_default_on_and_validated():
-    assert config.load({}).te_overwrite is True
-    assert config.load({"GEMM_PATCH_TE_OVERWRITE": "off"}).te_overwrite is False
+    var = (FSDP_TE_OVERWRITE.switch_variable,)
+    assert var == (MFSDP_TE_OVERWRITE.switch_variable,) == ("GEMM_PATCH_TE_OVERWRITE",)
+    assert config.load({}, switches=var).switch_on(var[0]) is True
+    assert config.load({var[0]: "off"}, switches=var).switch_on(var[0]) is False
     with pytest.raises(config.ConfigError, match="GEMM_PATCH_TE_OVERWRITE='2'"):
-        config.load({"GEMM_PATCH_TE_OVERWRITE": "2"})
+        config.load({var[0]: "2"}, switches=var)
 
 
 def test_targets_are_data():
-    assert FSDP_TE_OVERWRITE in TARGETS and MFSDP_TE_OVERWRITE in TARGETS
-    assert len({t.name for t in TARGETS}) == len(TARGETS)
+    assert FSDP_TE_OVERWRITE in REGISTRY and MFSDP_TE_OVERWRITE in REGISTRY
+    assert len({t.name for t in REGISTRY}) == len(REGISTRY)
     assert MFSDP_TE_OVERWRITE.module == "megatron_fsdp.megatron_fsdp"
     assert patcher._COMPONENTS["megatron_fsdp"] == MFSDP_TE_OVERWRITE.distribution == "megatron-fsdp"
     assert FSDP_TE_OVERWRITE.fingerprints["0.17.1"] == MFSDP_TE_OVERWRITE.fingerprints["0.6.1"]
@@ -185,32 +191,47 @@ def test_summary_is_one_line_plus_at_most_one(monkeypatch):
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append
-    patcher.log.addHandler(handler)
-    old_level = patcher.log.level
-    patcher.log.setLevel(logging.DEBUG)
-    monkeypatch.setattr(patcher, "_summary_logged", False)
-    monkeypatch.setattr(patcher, "_late_logged", False)
-    monkeypatch.setattr(patcher, "_logged_targets", set())
-    monkeypatch.setattr(patcher, "_backend_summary", lambda: "backends x")
+    report.log.addHandler(handler)
+    old_level = report.log.level
+    report.log.setLevel(logging.DEBUG)
     monkeypatch.delenv("RANK", raising=False)
+    summary = report.SummaryLog()
 
-    def st(name, module="megatron.core.x", version="0.17.1"):
-        return TargetStatus(name, module, "verified", "", version)
+    def st(name, state="verified", reason=""):
+        return TargetStatus(name, "megatron.core.x", state, reason, "0.17.1")
 
     try:
-        patcher._log_summary([st("fsdp-wgrad"), st("apex-wgrad")])
-        patcher._log_summary([st("fsdp-wgrad")])  # re-apply after revert: nothing new
-        patcher._log_summary([st("fsdp-te-overwrite")])
-        patcher._log_summary([st("mfsdp-te-overwrite", "megatron_fsdp.megatron_fsdp", "0.6.1")])
+        summary.record("megatron-core", "0.17.1", [st("fsdp-wgrad"), st("apex-wgrad")], "backends x")
+        summary.record("megatron-core", "0.17.1", [st("fsdp-wgrad")], "backends x")  # re-apply: nothing new
+        summary.record("megatron-core", "0.17.1", [st("fsdp-te-overwrite")], "backends x")
+        summary.record("megatron-fsdp", "0.6.1", [st("mfsdp-te-overwrite")], "backends x")
     finally:
-        patcher.log.removeHandler(handler)
-        patcher.log.setLevel(old_level)
+        report.log.removeHandler(handler)
+        report.log.setLevel(old_level)
     info = [r.getMessage() for r in records if r.levelno == logging.INFO]
     assert len(info) == 2, info
     assert info[0].startswith("megatron-core 0.17.1: fsdp-wgrad verified") and "backends x" in info[0]
     assert info[1] == "megatron-core 0.17.1: fsdp-te-overwrite verified"
     debug = [r.getMessage() for r in records if r.levelno == logging.DEBUG]
     assert debug == ["megatron-fsdp 0.6.1: mfsdp-te-overwrite verified"]
+
+
+def test_an_unknown_release_is_one_warning_line_for_all_targets(monkeypatch):
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    report.log.addHandler(handler)
+    monkeypatch.delenv("RANK", raising=False)
+    why = "backward: backward unknown (fingerprint f differs); left alone (GEMM_PATCH_ALLOW_UNVERIFIED=1 patches it)"
+    try:
+        report.SummaryLog().record("megatron-core", "9.0.0", [
+            TargetStatus("fsdp-wgrad", "m", "unverified", why, "9.0.0"),
+            TargetStatus("apex-wgrad", "m", "unverified", why, "9.0.0")], "backends x")
+    finally:
+        report.log.removeHandler(handler)
+    assert len(records) == 1 and records[0].levelno == logging.WARNING
+    assert "fsdp-wgrad unverified" in records[0].getMessage()
+    assert "GEMM_PATCH_ALLOW_UNVERIFIED=1" in records[0].getMessage()
 
 
 def test_standalone_megatron_fsdp_when_installed():
@@ -223,7 +244,7 @@ def test_standalone_megatron_fsdp_when_installed():
     version = detection.distribution_version("megatron-fsdp")
     st = {t.name: t for t in gemm_patch.status().targets}["mfsdp-te-overwrite"]
     assert st.version == version
-    assert st.state == ("verified" if version in MFSDP_TE_OVERWRITE.fingerprints else "unverified"), st.reason
+    assert st.state == MFSDP_TE_OVERWRITE.expected_state(version), st.reason
     cls = module.MegatronFSDP
     installed = vars(cls)[METHOD]
     assert isinstance(installed, PatchedOverwriteFlag)

@@ -131,4 +131,6 @@ def apex_word(st: TargetStatus | None) -> str:
         return "provided"
     if st.state == OFF:
         return "off"
-    return "missing" if st.state != NOT_APPLICABLE else "unknown"
+    if st.state == NOT_APPLICABLE and st.version is None:
+        return "unknown"  # megatron-core not installed
+    return "missing"

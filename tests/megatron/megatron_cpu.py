@@ -63,3 +63,11 @@ def step(layer, seed: int, tokens: int = 12, batch: int = 3):
     y.backward(grad_out)
     go2, x2 = grad_out.reshape(-1, grad_out.shape[-1]), x.detach().reshape(-1, x.shape[-1])
     return go2.double().t() @ x2.double()
+
+
+def unknown_release(*names: str) -> str:
+    """Snippet: this process's gemm_patch pretends the installed release is unknown to the named
+    targets (their fingerprint tables emptied); the code that runs is the real release's."""
+    return ("import dataclasses, gemm_patch.patcher as p\n"
+            f"p.REGISTRY = tuple(dataclasses.replace(x, fingerprints={{}}) if x.name in {names!r} else x "
+            "for x in p.REGISTRY)\n")

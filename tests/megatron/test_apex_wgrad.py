@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 from conftest import layers, torch
-from megatron_cpu import FUSION_MESSAGE, build, config, model_parallel, step
+from megatron_cpu import FUSION_MESSAGE, build, config, model_parallel, step, unknown_release
 
 import gemm_patch
-from gemm_patch.apex_stand_in import STAND_IN, is_stand_in
+from gemm_patch.targets.apex_wgrad import STAND_IN, is_stand_in
 
 EXPECT_APEX = os.environ.get("GEMM_PATCH_EXPECT_APEX", "verified")
-PROVIDED = EXPECT_APEX in ("verified", "unverified")
+PROVIDED = EXPECT_APEX in ("verified", "compatible", "forced")
 EXT = "fused_weight_gradient_mlp_cuda"
 FLAG = "_grad_accum_fusion_available"
 HERE = Path(__file__).resolve().parent
@@ -281,28 +281,28 @@ def test_summary_line_says_what_happened_to_apex(apex):
     assert expected in summary[0], summary[0]
 
 
-# Pretend the installed release is unknown to the apex-wgrad target only.
-_UNKNOWN_RELEASE = """
-import dataclasses, gemm_patch.targets as t, gemm_patch.patcher as p
-t.TARGETS = p.TARGETS = (t.FSDP_WGRAD, dataclasses.replace(t.APEX_WGRAD, fingerprints={}))
+_UNKNOWN_RELEASE = unknown_release("apex-wgrad") + """
 import gemm_patch
-try:
-    import megatron.core.tensor_parallel.layers as L
-except gemm_patch.GemmPatchError as exc:
-    print("refused:", exc)
-import megatron.core.tensor_parallel.layers as L
-print(gemm_patch.status().targets[1].state, L._grad_accum_fusion_available)
+for attempt in range(2):  # strict mode refuses every import, not only the first
+    try:
+        import megatron.core.tensor_parallel.layers as L
+        print(gemm_patch.status().targets[1].state, L._grad_accum_fusion_available)
+        break
+    except gemm_patch.GemmPatchError as exc:
+        print("refused:", exc)
 """
 
 
 @needs_stand_in
-@pytest.mark.parametrize("strict", ["1", "0"])
-def test_unverified_release_is_provided_with_a_warning_or_refused_in_strict_mode(strict):
-    out = run_snippet(_UNKNOWN_RELEASE, GEMM_PATCH_STRICT=strict)
-    if strict == "1":
-        assert "refused: apex-wgrad:" in out.stdout and "not a verified release" in out.stdout, out.stdout
-        assert out.stdout.split()[-2:] != ["unverified", "True"], out.stdout
-        assert out.stdout.split()[-1] == "False", out.stdout
+@pytest.mark.parametrize("mode", ["default", "strict", "allow"])
+def test_unknown_apex_usage_is_not_provided_unless_allowed_and_refused_in_strict_mode(mode):
+    out = run_snippet(_UNKNOWN_RELEASE, GEMM_PATCH_STRICT="1" if mode == "strict" else "0",
+                      GEMM_PATCH_ALLOW_UNVERIFIED="1" if mode == "allow" else "0")
+    if mode == "strict":
+        assert out.stdout.count("refused: apex-wgrad:") == 2 and "not a verified release" in out.stdout, out.stdout
+        assert "megatron.core.tensor_parallel.layers" not in out.stdout.splitlines()[-1]
+    elif mode == "default":
+        assert out.stdout.split()[-2:] == ["unverified", "False"], out.stdout
+        assert sum("apex-wgrad unverified" in line for line in out.stderr.splitlines()) == 1, out.stderr
     else:
-        assert out.stdout.split()[-2:] == ["unverified", "True"], out.stdout
-        assert out.stderr.count("apex-wgrad patched but unverified") == 1, out.stderr
+        assert out.stdout.split()[-2:] == ["forced", "True"], out.stdout

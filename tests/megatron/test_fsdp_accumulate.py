@@ -19,7 +19,7 @@ import pytest
 from conftest import APPLICABLE, layers, torch
 
 import gemm_patch
-from gemm_patch import dispatcher
+from gemm_patch.targets.fsdp_wgrad import main_grad_is_persistent
 
 needs_call_site = pytest.mark.skipif(not APPLICABLE, reason="release has no such call site")
 
@@ -129,11 +129,11 @@ def test_bf16_persistent_buffer_accumulates_like_apex(patched, cpu_dummy_wgrad):
 
 def test_rule_reads_only_megatron_fsdp_attributes():
     plain = torch.nn.Parameter(torch.zeros(2, 2))
-    assert dispatcher.main_grad_is_persistent(plain) is False  # not Megatron-FSDP: overwrite
+    assert main_grad_is_persistent(plain) is False  # not Megatron-FSDP: overwrite
     persistent, _ = megatron_fsdp_param(2, 2, distributed=False)
     fresh, _ = megatron_fsdp_param(2, 2, distributed=True)
-    assert dispatcher.main_grad_is_persistent(persistent) is True
-    assert dispatcher.main_grad_is_persistent(fresh) is False
+    assert main_grad_is_persistent(persistent) is True
+    assert main_grad_is_persistent(fresh) is False
     # overwrite_main_grad is set to True by Megatron-FSDP in both cases: it cannot decide.
     assert persistent.overwrite_main_grad and fresh.overwrite_main_grad
 

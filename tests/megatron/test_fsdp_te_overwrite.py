@@ -21,6 +21,7 @@ import types
 
 import pytest
 from conftest import torch
+from megatron_cpu import unknown_release
 
 import gemm_patch
 from gemm_patch import detection
@@ -28,7 +29,7 @@ from gemm_patch import detection
 MODULE = "megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp"
 METHOD = "all_gather_and_wait_parameters_ready"
 EXPECT = os.environ.get("GEMM_PATCH_EXPECT_TE_OVERWRITE", "verified")
-PATCHED = EXPECT in ("verified", "unverified")
+PATCHED = EXPECT in ("verified", "compatible", "forced")
 needs_patch = pytest.mark.skipif(not PATCHED, reason=f"fsdp-te-overwrite is {EXPECT} on this release")
 
 try:
@@ -243,12 +244,7 @@ def test_one_summary_line_and_at_most_one_more_on_rank_0(rank):
     assert sum(f"fsdp-te-overwrite {EXPECT}" in line for line in info) == 1, out.stderr
 
 
-# Pretend the installed release is unknown by emptying the fingerprint table; the code that
-# runs is the real release's.
-_UNKNOWN_RELEASE = f"""
-import dataclasses, gemm_patch.targets as t, gemm_patch.patcher as p
-t.TARGETS = p.TARGETS = tuple(dataclasses.replace(x, fingerprints={{}}) if x.name == "fsdp-te-overwrite"
-                              else x for x in t.TARGETS)
+_UNKNOWN_RELEASE = unknown_release("fsdp-te-overwrite") + f"""
 import gemm_patch
 try:
     import megatron.core.tensor_parallel.layers
@@ -260,16 +256,20 @@ print({{t.name: t.state for t in gemm_patch.status().targets}}["fsdp-te-overwrit
 
 
 @needs_patch
-@pytest.mark.parametrize("strict", ["1", "0"])
-def test_unverified_release_is_patched_with_a_warning_or_refused_in_strict_mode(strict):
-    out = _run(_UNKNOWN_RELEASE, GEMM_PATCH_STRICT=strict)
+@pytest.mark.parametrize("mode", ["default", "strict", "allow"])
+def test_unknown_code_is_left_alone_unless_allowed_and_refused_in_strict_mode(mode):
+    out = _run(_UNKNOWN_RELEASE, GEMM_PATCH_STRICT="1" if mode == "strict" else "0",
+               GEMM_PATCH_ALLOW_UNVERIFIED="1" if mode == "allow" else "0")
     assert out.returncode == 0, out.stderr
-    if strict == "1":
+    state = out.stdout.split()[-1]
+    if mode == "strict":
         assert "refused:" in out.stdout and "not a verified release" in out.stdout, out.stdout
-        assert out.stdout.split()[-1] != "unverified"
+        assert state != "unverified"
+    elif mode == "default":
+        assert state == "unverified", out.stdout
+        assert sum("fsdp-te-overwrite unverified" in line for line in out.stderr.splitlines()) == 1, out.stderr
     else:
-        assert out.stdout.split()[-1] == "unverified", out.stdout
-        assert out.stderr.count("fsdp-te-overwrite patched but unverified") == 1, out.stderr
+        assert state == "forced", out.stdout
 
 
 def test_version_is_megatron_cores():

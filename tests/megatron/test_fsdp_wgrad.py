@@ -9,6 +9,7 @@ import threading
 
 import pytest
 from conftest import APPLICABLE, DTYPE_ERROR, EXPECT, layers, run_layer, torch
+from megatron_cpu import unknown_release
 
 import gemm_patch
 
@@ -147,14 +148,10 @@ def test_import_gemm_patch_alone_imports_no_framework():
     assert out.stdout.strip() == "[]"
 
 
-# Pretend the installed release is unknown by emptying the fingerprint table; the code that
-# runs is the real release's.
-_UNKNOWN_RELEASE = """
-import dataclasses, gemm_patch.targets as t, gemm_patch.patcher as p
-t.TARGETS = p.TARGETS = tuple(dataclasses.replace(x, fingerprints={}) for x in t.TARGETS)
-import gemm_patch
+_UNKNOWN_RELEASE = unknown_release("fsdp-wgrad") + """
+import gemm_patch, torch
 try:
-    import megatron.core.tensor_parallel.layers
+    import megatron.core.tensor_parallel.layers as L
 except gemm_patch.GemmPatchError as exc:
     print("refused:", exc)
 print(gemm_patch.status().targets[0].state)
@@ -162,17 +159,38 @@ print(gemm_patch.status().targets[0].state)
 
 
 @needs_call_site
-@pytest.mark.parametrize("strict", ["1", "0"])
-def test_unverified_release_is_patched_with_a_warning_or_refused_in_strict_mode(strict):
-    env = {**os.environ, "GEMM_PATCH_STRICT": strict}
+@pytest.mark.parametrize("mode", ["default", "strict", "allow"])
+def test_unknown_code_is_left_alone_unless_allowed_and_refused_in_strict_mode(mode):
+    env = {**os.environ, "GEMM_PATCH_STRICT": "1" if mode == "strict" else "0",
+           "GEMM_PATCH_ALLOW_UNVERIFIED": "1" if mode == "allow" else "0"}
     out = subprocess.run([sys.executable, "-c", _UNKNOWN_RELEASE], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr
-    if strict == "1":
-        assert "refused:" in out.stdout and "not a verified release" in out.stdout, out.stdout
-        assert out.stdout.split()[-1] != "unverified"
+    state = out.stdout.split()[-1]
+    if mode == "strict":
+        assert "refused: fsdp-wgrad:" in out.stdout and "not a verified release" in out.stdout, out.stdout
+        assert state != "unverified"
+    elif mode == "default":
+        assert state == "unverified", out.stdout
+        warnings = [line for line in out.stderr.splitlines() if "fsdp-wgrad unverified" in line]
+        assert len(warnings) == 1 and warnings[0].startswith("[gemm_patch] WARNING:"), out.stderr
+        assert "GEMM_PATCH_ALLOW_UNVERIFIED=1" in warnings[0] and "fingerprint" in warnings[0]
     else:
-        assert out.stdout.split()[-1] == "unverified", out.stdout
-        assert out.stderr.count("fsdp-wgrad patched but unverified") == 1, out.stderr
+        assert state == "forced", out.stdout
+
+
+@needs_call_site
+def test_unknown_code_stays_megatrons_own():
+    """Left alone means left alone: the class keeps megatron's own backward, and the fp32
+    main_grad crash is megatron's own."""
+    code = _UNKNOWN_RELEASE + (
+        "import sys; sys.path.insert(0, %r)\n"
+        "from conftest import run_layer, DTYPE_ERROR\n"
+        "print(type(vars(L.LinearWithGradAccumulationAndAsyncCommunication)['backward']).__name__)\n"
+        "try:\n    run_layer(torch.float32)\nexcept RuntimeError as exc:\n    print('crash', DTYPE_ERROR in str(exc))\n"
+    ) % os.path.dirname(os.path.abspath(__file__))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-4:] == ["unverified", "staticmethod", "crash", "True"], out.stdout
 
 
 @needs_call_site
@@ -187,12 +205,12 @@ def test_upstream_te_call_is_redirected_only_where_the_release_has_it(patched):
 
 
 def test_te_branch_stand_in_accumulates_into_a_persistent_buffer():
-    """dispatcher.fsdp_wgrad_te, which 0.18+'s TE call goes to, on a parameter whose Megatron-FSDP
+    """fsdp_wgrad_te, which 0.18+'s TE call goes to, on a parameter whose Megatron-FSDP
     buffer persists (``_gbuf.is_data_distributed`` False): adds, never overwrites. (The fresh-
     buffer case calls megatron's own te_general_gemm, which needs TE: tests/gpu.)"""
     from types import SimpleNamespace
 
-    from gemm_patch import dispatcher
+    from gemm_patch.targets.fsdp_wgrad import fsdp_wgrad_te
 
     gen = torch.Generator().manual_seed(5)
     weight = torch.nn.Parameter(torch.zeros(24, 16, dtype=torch.bfloat16))
@@ -202,7 +220,7 @@ def test_te_branch_stand_in_accumulates_into_a_persistent_buffer():
     for _ in range(3):
         total_input = torch.randn(40, 16, generator=gen).to(torch.bfloat16)
         grad_output = torch.randn(40, 24, generator=gen).to(torch.bfloat16)
-        dispatcher.fsdp_wgrad_te(total_input, grad_output, out_dtype=torch.float32, layout="NT", out=main_grad,
+        fsdp_wgrad_te(total_input, grad_output, out_dtype=torch.float32, layout="NT", out=main_grad,
                                  grad=True, param=weight)
         expected += grad_output.double().t() @ total_input.double()
     assert ((main_grad.double() - expected).norm() / expected.norm()).item() < 1e-6

@@ -1,0 +1,56 @@
+"""apply()/status() in fresh interpreters, without megatron: GEMM_PATCH=0 beats everything, and
+every line gemm_patch prints carries its prefix, also where logging is disabled."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def python(code: str, **variables: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GEMM_PATCH") and k != "PYTHONPATH"}
+    env.update(PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore", **variables)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_gemm_patch_0_beats_strict_mode_and_bad_values():
+    """0.1.0 raised GemmPatchError here, although the README says GEMM_PATCH=0 beats everything."""
+    out = python("import gemm_patch, sys; print('wrapt' in sys.modules, gemm_patch.status().applied)",
+                 GEMM_PATCH="0", GEMM_PATCH_STRICT="1", GEMM_PATCH_BACKEND="cublas")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "False"] and out.stderr == ""
+
+
+def test_an_explicit_apply_under_gemm_patch_0_applies_nothing_and_says_why():
+    out = python("import gemm_patch; st = gemm_patch.apply(); print(st.applied); print(st.disabled); "
+                 "print(st.as_dict()['disabled'] is not None)", GEMM_PATCH="0", GEMM_PATCH_BACKEND="cublas")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "False" and lines[1].startswith("GEMM_PATCH=0") and lines[2] == "True"
+
+
+def test_a_bad_value_is_one_prefixed_line_even_with_logging_disabled():
+    """0.1.0 printed it before its log handler existed (no prefix) and lost it under
+    logging.disable."""
+    for prelude in ("", "import logging; logging.disable(logging.CRITICAL); "):
+        out = python(prelude + "import gemm_patch; print(gemm_patch.status().applied)", GEMM_PATCH_BACKEND="cublas")
+        assert out.returncode == 0, out.stderr
+        lines = out.stderr.splitlines()
+        assert len(lines) == 1, out.stderr
+        assert lines[0].startswith("[gemm_patch] ERROR: gemm_patch not applied: GEMM_PATCH_BACKEND='cublas'")
+        assert out.stdout.strip() == "False"
+
+
+def test_a_bad_value_under_strict_mode_raises():
+    out = python("import gemm_patch", GEMM_PATCH_STRICT="1", GEMM_PATCH_APEX="maybe")
+    assert out.returncode == 1 and "GemmPatchError" in out.stderr and "GEMM_PATCH_APEX='maybe'" in out.stderr
+
+
+def test_status_without_megatron_reads_not_applicable_with_reasons():
+    out = python("import gemm_patch, json; print(json.dumps([t.state for t in gemm_patch.status().targets]))")
+    assert out.returncode == 0, out.stderr
+    assert set(eval(out.stdout)) == {"not applicable"}

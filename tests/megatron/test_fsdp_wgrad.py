@@ -182,12 +182,13 @@ def test_unknown_code_is_left_alone_unless_allowed_and_refused_in_strict_mode(mo
 def test_unknown_code_stays_megatrons_own():
     """Left alone means left alone: the class keeps megatron's own backward, and the fp32
     main_grad crash is megatron's own."""
+    here = os.path.dirname(os.path.abspath(__file__))
     code = _UNKNOWN_RELEASE + (
-        "import sys; sys.path.insert(0, %r)\n"
+        f"import sys; sys.path.insert(0, {here!r})\n"
         "from conftest import run_layer, DTYPE_ERROR\n"
         "print(type(vars(L.LinearWithGradAccumulationAndAsyncCommunication)['backward']).__name__)\n"
         "try:\n    run_layer(torch.float32)\nexcept RuntimeError as exc:\n    print('crash', DTYPE_ERROR in str(exc))\n"
-    ) % os.path.dirname(os.path.abspath(__file__))
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[-4:] == ["unverified", "staticmethod", "crash", "True"], out.stdout

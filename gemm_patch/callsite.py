@@ -34,7 +34,7 @@ class AnalysedFunction:
     module: types.ModuleType
     funcdef: ast.FunctionDef
     fingerprint: str
-    matches: list[ast.AST]  # the matched calls (``analyse``) or statements (``analyse_statement``)
+    matches: list[ast.AST]  # the matched calls (``find_call_site``) or statements (``find_statement``)
 
 
 # Fields whose presence depends on the Python version, not on the code (3.12 added

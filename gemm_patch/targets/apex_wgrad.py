@@ -101,12 +101,20 @@ TARGET = ApexWgradTarget(
     fingerprints={
         # The guarded import, ColumnParallelLinear's check and the two backward calls have not
         # changed from 0.13.1 to 0.19.2 (RowParallelLinear has no check in any of them).
+        "0.13.0": "08d38a954a90ad6e",
         "0.13.1": "08d38a954a90ad6e",
         "0.14.0": "08d38a954a90ad6e",
+        "0.15.0": "08d38a954a90ad6e",
+        "0.15.1": "08d38a954a90ad6e",
+        "0.15.2": "08d38a954a90ad6e",
         "0.15.3": "08d38a954a90ad6e",
+        "0.16.0": "08d38a954a90ad6e",
         "0.16.1": "08d38a954a90ad6e",
+        "0.17.0": "08d38a954a90ad6e",
         "0.17.1": "08d38a954a90ad6e",
+        "0.18.0": "08d38a954a90ad6e",
         "0.18.2": "08d38a954a90ad6e",
+        "0.19.0": "08d38a954a90ad6e",
         "0.19.2": "08d38a954a90ad6e",
     },
 )

@@ -126,10 +126,17 @@ TARGET = CallSiteTarget(
     fingerprints={
         # 0.13.x has no such call: not applicable, nothing to record.
         "0.14.0": "7ec854ca9d6a137e",
+        "0.15.0": "7ec854ca9d6a137e",
+        "0.15.1": "7ec854ca9d6a137e",
+        "0.15.2": "7ec854ca9d6a137e",
         "0.15.3": "7ec854ca9d6a137e",
+        "0.16.0": "7ec854ca9d6a137e",
         "0.16.1": "7ec854ca9d6a137e",
+        "0.17.0": "7ec854ca9d6a137e",
         "0.17.1": "7ec854ca9d6a137e",
+        "0.18.0": "eeb4af4511d4b4e2",
         "0.18.2": "eeb4af4511d4b4e2",  # the torch.matmul left in the no-TE else-branch
+        "0.19.0": "8052bd62d48b6d81",
         "0.19.2": "8052bd62d48b6d81",
     },
 )

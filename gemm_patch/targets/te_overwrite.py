@@ -88,10 +88,17 @@ TARGET = OverwriteFlagTarget(
     attribute="all_gather_and_wait_parameters_ready",
     fingerprints={
         # 0.13.x has no such module (custom_fsdp sets no flag), 0.14.0 no such statement.
+        "0.15.0": "cc3e6cbc490ab4f5",
+        "0.15.1": "cc3e6cbc490ab4f5",
+        "0.15.2": "cc3e6cbc490ab4f5",
         "0.15.3": "cc3e6cbc490ab4f5",
+        "0.16.0": "3c8b4af212ce4004",
         "0.16.1": "3c8b4af212ce4004",  # + the bwd argument
+        "0.17.0": "3c8b4af212ce4004",
         "0.17.1": "3c8b4af212ce4004",
+        "0.18.0": "3c8b4af212ce4004",
         "0.18.2": "3c8b4af212ce4004",
+        "0.19.0": "3c8b4af212ce4004",
         "0.19.2": "3c8b4af212ce4004",
     },
 )
@@ -107,10 +114,16 @@ STANDALONE = OverwriteFlagTarget(
     owner="MegatronFSDP",
     attribute="all_gather_and_wait_parameters_ready",
     fingerprints={
+        "0.2.0": "cc3e6cbc490ab4f5",
+        "0.2.1": "cc3e6cbc490ab4f5",
+        "0.2.2": "cc3e6cbc490ab4f5",
         "0.2.3": "cc3e6cbc490ab4f5",  # = megatron-core 0.15.3's copy
+        "0.3.0": "3c8b4af212ce4004",
         "0.3.1": "3c8b4af212ce4004",
         "0.4.0": "3c8b4af212ce4004",
+        "0.5.0": "3c8b4af212ce4004",
         "0.5.1": "3c8b4af212ce4004",
+        "0.6.0": "3c8b4af212ce4004",
         "0.6.1": "3c8b4af212ce4004",
     },
 )

@@ -28,10 +28,12 @@ exit status:
   0  success: status printed; doctor: the backend in use is right; demo: the fix shown
   1  refused or failed: GEMM_PATCH_STRICT=1 refused to leave a target unpatched, a
      GEMM_PATCH_* variable holds a bad value, doctor found the backend in use wrong or
-     missing, or the demo's patched run failed
+     missing, or the demo found the call left unpatched (unknown code) or its patched
+     run wrong
   2  usage error, or nothing to do here: demo on a megatron-core release without the
-     Megatron-FSDP fused wgrad call (0.13.x and older), demo without torch and megatron-core,
-     doctor --device cuda where torch has no CUDA device
+     Megatron-FSDP fused wgrad call (0.13.x and older), without torch and megatron-core, or
+     with the patch turned off (GEMM_PATCH=0); doctor --device cuda where torch has no CUDA
+     device
   run: the exit status of COMMAND (127: not found, 126: cannot be started)
 
 Each error ends in one line on stderr, starting with "gemm-patch COMMAND:".
@@ -121,23 +123,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="gemm-patch", description=DESCRIPTION, epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--version", action="version", version=f"gemm-patch {__version__}")
+    parser.add_argument("--version", action="version", version=f"gemm-patch {__version__}",
+                        help="print gemm-patch's version and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser("status", help="what is installed, what is patched, which backends run",
-                       description="Import the target modules, then say what the patch did to each, "
+                       description="Import the target modules, then say what the patch did to each\n"
                        "and which GEMM backends would run.", epilog=EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="machine-readable (schema 1)")
     p.add_argument("--no-import", action="store_true", help="don't import the target modules first")
     p.set_defaults(func=_status)
     p = sub.add_parser("demo", help="the crash, then the fix, on megatron-core's FSDP wgrad path",
-                       description="Run megatron-core's Megatron-FSDP fused wgrad call unpatched (the "
+                       description="Run megatron-core's Megatron-FSDP fused wgrad call unpatched (the\n"
                        "crash), then patched (fp32 main grads, compared with fp64).", epilog=EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.set_defaults(func=_demo)
     p = sub.add_parser("doctor", help="check every backend against fp64 on this device; "
                        "non-zero exit if the one in use is wrong or missing",
-                       description="Check every GEMM backend against fp64 on this device; exit 1 "
+                       description="Check every GEMM backend against fp64 on this device; exit 1\n"
                        "if the one in use is wrong or missing.", epilog=EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available, else cpu")
@@ -170,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
         line = _one_line(exc)
         if "GEMM_PATCH_STRICT" not in line:
-            line += " (GEMM_PATCH_STRICT=1)"
+            line += "; refused because GEMM_PATCH_STRICT=1"
         print(f"gemm-patch {args.command}: {line}", file=sys.stderr)
         return EXIT_FAILED
 

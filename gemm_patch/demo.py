@@ -55,8 +55,9 @@ def _one_line(exc: BaseException) -> str:
 
 
 def main(out: io.TextIOBase | None = None, suppressed_warnings: int = 0) -> int:
-    """Exit status: 0 the fix shown; 1 the patch is not in place or its result is wrong;
-    2 nothing to show (no torch/megatron-core, or a release without the FSDP call)."""
+    """Exit status: 0 the fix shown; 1 a bad GEMM_PATCH_* value, the patch is not in place
+    (strict mode raises GemmPatchError instead) or its result is wrong; 2 nothing to show: no
+    torch/megatron-core, a release without the FSDP call, or the patch turned off."""
     import logging
 
     import gemm_patch
@@ -77,6 +78,13 @@ def main(out: io.TextIOBase | None = None, suppressed_warnings: int = 0) -> int:
         return _stop(f"this gemm_patch has no {TARGET} target", 1)
     if target.state == "not applicable":
         return _not_applicable(st, target)
+    if st.config_error:
+        return _stop(f"configuration error: {st.config_error}", 1)
+    if target.state == "off":
+        why = target.reason if st.applied else "GEMM_PATCH=0 turns gemm_patch off"
+        return _stop(f"{TARGET} is off ({why}): the demo shows the fix, so it needs the patch on", 2)
+    if target.state not in PATCHED_STATES:
+        return _stop(f"{TARGET} is {target.state}, not patched: {target.reason}", 1)
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     print(f"megatron-core {st.versions.get('megatron-core')}, torch {torch.__version__}, device {device}", file=out)
@@ -98,7 +106,7 @@ def main(out: io.TextIOBase | None = None, suppressed_warnings: int = 0) -> int:
         return _not_applicable(status, target)
     print(f"patched: {TARGET} {target.state} ({target.reason})\n", file=out)
     if target.state not in PATCHED_STATES:
-        return _stop(f"{TARGET} is {target.state}, not patched: nothing to compare", 1)
+        return _stop(f"{TARGET} is {target.state}, not patched: {target.reason}", 1)
 
     dispatcher = active_dispatcher()
     probe = torch.empty(1, 1, dtype=torch.bfloat16, device=device)

@@ -96,3 +96,15 @@ def test_status_reports_a_bad_value_once_and_exits_1():
     assert proc.returncode == 1
     assert json.loads(proc.stdout)["config_error"].startswith("GEMM_PATCH='maybe' is not accepted")
     assert proc.stderr.count("GEMM_PATCH='maybe'") == 1
+
+
+def test_doctor_cuda_without_cuda_ends_in_one_line_and_exits_2():
+    # CUDA_VISIBLE_DEVICES="": no device on a CUDA build either (the other branch of the same line)
+    proc = cli("doctor", "--device", "cuda", "--no-import", CUDA_VISIBLE_DEVICES="")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("gemm-patch doctor: --device cuda: "), proc.stderr
+    assert "use --device cpu" in line
+    if not torch.backends.cuda.is_built():
+        assert f"this torch ({torch.__version__}) is built without CUDA" in line

@@ -6,7 +6,7 @@ release of a known target is one line in that target's ``fingerprints``.
 
 from __future__ import annotations
 
-from . import apex_wgrad, fsdp_wgrad, te_overwrite
+from . import apex_wgrad, fsdp_wgrad, shared_grad, te_overwrite
 from .base import Target
 
 REGISTRY: tuple[Target, ...] = (
@@ -14,6 +14,8 @@ REGISTRY: tuple[Target, ...] = (
     apex_wgrad.TARGET,
     te_overwrite.TARGET,
     te_overwrite.STANDALONE,
+    shared_grad.TARGET,
+    shared_grad.STANDALONE,
 )
 
 

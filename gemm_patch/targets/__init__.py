@@ -6,7 +6,15 @@ release of a known target is one line in that target's ``fingerprints``.
 
 from __future__ import annotations
 
-from . import apex_wgrad, fsdp_wgrad, shared_grad, te_overwrite
+from . import (
+    apex_wgrad,
+    fsdp_wgrad,
+    fsdp_wgrad_gemm,
+    moe_overwrite,
+    shared_grad,
+    te_overwrite,
+    te_overwrite_by_strategy,
+)
 from .base import Target
 
 REGISTRY: tuple[Target, ...] = (
@@ -16,6 +24,11 @@ REGISTRY: tuple[Target, ...] = (
     te_overwrite.STANDALONE,
     shared_grad.TARGET,
     shared_grad.STANDALONE,
+    moe_overwrite.TARGET,
+    # Megatron-LM main (0.20.0 before its release), pinned commit.
+    fsdp_wgrad_gemm.TARGET,
+    te_overwrite_by_strategy.TARGET,
+    te_overwrite_by_strategy.STANDALONE,
 )
 
 

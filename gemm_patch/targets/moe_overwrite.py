@@ -1,0 +1,90 @@
+"""moe-te-overwrite: undo the ``param.overwrite_main_grad = True`` that megatron-core's fused
+grouped MLP puts back on expert weights before every forward, where it is wrong.
+
+megatron-core 0.19 (and main) can run the experts through Transformer Engine's op fuser
+(``TEGroupedMLP`` with ``use_transformer_engine_op_fuser``). The fused ops' pre-forward hook
+first runs each expert linear's own pre-forward hooks (Megatron-FSDP's unshard, after which
+fsdp-te-overwrite has reset the flag on persistent buffers), then
+``TEGroupedMLP._ensure_main_grad(linear_fc1)`` and ``(linear_fc2)``, a static method that sets
+``overwrite_main_grad = True`` on every weight of the linear that has the attribute. TE's
+``GroupedLinear`` op reads it in backward (``get_accumulate_flag_in_param``: overwrite when
+True), so over a persistent Megatron-FSDP buffer (``optim``, or any sharded strategy on one
+data-parallel rank) each expert keeps only the last micro-batch's gradient.
+
+The wrapper runs the static method, then resets the flag of each weight of that linear module
+whose ``main_grad`` is the persistent buffer (``fsdp_wgrad.main_grad_is_persistent``), as
+fsdp-te-overwrite does for dense layers; weights with fresh per-backward buckets keep True.
+It shares fsdp-te-overwrite's switch, GEMM_PATCH_TE_OVERWRITE: one fix (the flag) in the two
+places that set it, and with one of them off the other alone would leave a mix of upstream and
+patched behaviour on the same expert weights.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+from typing import Any
+
+import wrapt
+
+from .base import Inspection, Undo
+from .fsdp_wgrad import main_grad_is_persistent
+from .te_overwrite import OverwriteFlagTarget
+
+STATEMENT = "param.overwrite_main_grad = True"
+# Megatron-LM main (0.20.0, unreleased), pinned; its _ensure_main_grad is 0.19's.
+MAIN_COMMIT = "d98e8a64ddf34856e74b24714e3bedb2f5a39553"
+
+
+class PatchedExpertFlag(wrapt.FunctionWrapper):
+    """A wrapt FunctionWrapper around the original static method (``__wrapped__`` is the
+    ``staticmethod`` object); ``resets`` counts the flags it has reset."""
+
+    def __init__(self, original: Any) -> None:
+        super().__init__(original, self._reset_after)
+        self._self_resets = 0
+
+    @property
+    def resets(self) -> int:
+        return self._self_resets
+
+    def _reset_after(self, wrapped, instance, args, kwargs):
+        result = wrapped(*args, **kwargs)
+        linear = args[0] if args else kwargs.get("linear_module")
+        # The original sets nothing where fusion is off; neither does the reset.
+        if linear is None or not getattr(linear, "fuse_wgrad_accumulation", False):
+            return result
+        for param in linear.parameters(recurse=False):
+            if getattr(param, "overwrite_main_grad", False) and main_grad_is_persistent(param):
+                param.overwrite_main_grad = False
+                self._self_resets += 1
+        return result
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpertFlagTarget(OverwriteFlagTarget):
+    """``OverwriteFlagTarget``'s inspection (the statement in the method, the live object is
+    the file's), with a wrapper for a static method taking the linear module."""
+
+    def install(self, module: types.ModuleType, found: Inspection, undo: Undo) -> None:
+        self.replace(module, undo, PatchedExpertFlag(self.live_object(module)))
+
+
+TARGET = ExpertFlagTarget(
+    name="moe-te-overwrite",
+    distribution="megatron-core",
+    module="megatron.core.transformer.moe.experts",
+    switch="GEMM_PATCH_TE_OVERWRITE",
+    relies_on=f"`{STATEMENT}` method",
+    owner="TEGroupedMLP",
+    attribute="_ensure_main_grad",
+    statement=STATEMENT,
+    fingerprints={
+        # 0.13.x-0.18.x: no TEGroupedMLP._ensure_main_grad (not applicable).
+        "0.19.0": "85079750849ec616",
+        "0.19.2": "85079750849ec616",
+        # Megatron-LM main (megatron-core reports "0.20.0", the version 0.20.0 will report):
+        # keyed by the pinned commit, not by a release that does not exist yet.
+        f"main@{MAIN_COMMIT[:8]}": "85079750849ec616",  # = 0.19.2
+    },
+)

@@ -6,8 +6,12 @@ GEMM_PATCH_AUTO=1, and exec the command. Children inherit both.
 
 Why also GEMM_PATCH_AUTO=1: a child started with ``python -E``/``-I`` ignores PYTHONPATH but
 still processes site-packages, so in an environment with the wheel's .pth file the variable
-still patches it. The bootstrap itself applies the patch whatever GEMM_PATCH_AUTO says.
+still patches it. The bootstrap itself starts the hook whatever GEMM_PATCH_AUTO says.
 GEMM_PATCH is left alone: GEMM_PATCH=0 still turns everything off.
+
+Either way the hook is lazy (``_gemm_patch_startup``): a child imports gemm_patch, and so
+wrapt, only when it first imports megatron, megatron_fsdp, ...; the other Python processes a
+job starts (tools, compilers' helpers, data workers that never touch megatron) pay nothing.
 """
 
 from __future__ import annotations

@@ -1,22 +1,28 @@
 """``gemm-patch run``: real processes only. The children never import gemm_patch themselves;
 tests/probes/fsdp_probe.py reports whether a start-up hook loaded it and runs megatron-core's
-FSDP wgrad path with an fp32 main_grad against fp64."""
+FSDP wgrad path with an fp32 main_grad against fp64.
+
+The hook is lazy: a child imports gemm_patch when it first imports megatron (or
+megatron_fsdp), so the probe starts without it and still runs the patched call site; the
+other children import a fake ``megatron.core`` (tests/test_auto_pth.py's ``fake_targets``)."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
 from process_env import PROBE, clean_env, config_error_lines, free_port, gemm_patch_command
+from test_auto_pth import LOADED, fake_targets
 
 RUN = [*gemm_patch_command(), "run", "--"]
 
-# Prints whether a start-up hook loaded gemm_patch and whether it is applied, without
-# importing it when it is not loaded.
-STATE = ("import sys, json; g = sys.modules.get('gemm_patch'); "
+# Imports (fake) megatron, then prints whether a start-up hook loaded gemm_patch and whether it
+# is applied, without importing it when it is not loaded.
+STATE = ("import sys, json, megatron.core; g = sys.modules.get('gemm_patch'); "
          "print(json.dumps({'loaded': g is not None, 'applied': bool(g and g.status().applied)}))")
 
 
@@ -29,8 +35,14 @@ def state_of(proc) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def with_fake_megatron(env: dict[str, str], tmp_path) -> dict[str, str]:
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(fake_targets(tmp_path)["namespace"]), env["PYTHONPATH"]]))
+    return env
+
+
 def assert_patched_and_exact(report: dict) -> None:
-    assert report["gemm_patch_loaded_at_start"], report
+    # Loaded on megatron's import, not at start-up; the probe never imports gemm_patch itself.
+    assert not report["gemm_patch_loaded_at_start"], report
     assert report["call_site"] == "PatchedCallSite", report
     assert report["error"] is None, report
     assert not report["nan_left"] and report["rel_error"] < 1e-6, report
@@ -64,7 +76,7 @@ def test_existing_sitecustomize_still_runs_first(tmp_path):
         with open({str(marker)!r}, "w") as f:
             f.write("ran; gemm_patch loaded before me: %s" % ("gemm_patch" in sys.modules))
     """))
-    env = clean_env()
+    env = with_fake_megatron(clean_env(), tmp_path)
     env["PYTHONPATH"] = f"{user_dir}:{env['PYTHONPATH']}"
     code = "import sitecustomize; print(sitecustomize.FROM_USER, sitecustomize.__file__); " + STATE
     proc = run([*RUN, "python", "-c", code], env)
@@ -76,7 +88,7 @@ def test_existing_sitecustomize_still_runs_first(tmp_path):
 
 def test_a_failing_sitecustomize_is_reported_as_python_would_and_the_patch_still_applies(tmp_path):
     (tmp_path / "sitecustomize.py").write_text("raise ValueError('broken by its owner')\n")
-    env = clean_env()
+    env = with_fake_megatron(clean_env(), tmp_path)
     env["PYTHONPATH"] = f"{tmp_path}:{env['PYTHONPATH']}"
     without = run([sys.executable, "-c", "pass"], env)
     proc = run([*RUN, "python", "-c", STATE], env)
@@ -115,8 +127,9 @@ def test_torchrun_gloo_workers_are_patched_and_match_fp64(tmp_path):
     ("GEMM_PATCH_BACKEND", "cublas", "auto, te, native, fallback"),
     ("GEMM_PATCH", "maybe", "1, true, yes, on, 0, false, no, off"),
 ])
-def test_a_bad_value_is_one_message_and_an_unpatched_running_child(variable, value, accepted):
-    proc = run([*RUN, "python", "-c", STATE + "; print('still running')"], clean_env(**{variable: value}))
+def test_a_bad_value_is_one_message_and_an_unpatched_running_child(variable, value, accepted, tmp_path):
+    env = with_fake_megatron(clean_env(**{variable: value}), tmp_path)
+    proc = run([*RUN, "python", "-c", STATE + "; print('still running')"], env)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split()[-2:] == ["still", "running"]
     assert json.loads(proc.stdout.splitlines()[0]) == {"loaded": True, "applied": False}
@@ -125,14 +138,40 @@ def test_a_bad_value_is_one_message_and_an_unpatched_running_child(variable, val
     assert f"{variable}='{value}' is not accepted" in lines[0] and accepted in lines[0]
 
 
-def test_a_bad_value_in_strict_mode_stops_the_child_with_one_message():
-    env = clean_env(GEMM_PATCH_BACKEND="cublas", GEMM_PATCH_STRICT="1")
-    proc = run([*RUN, "python", "-c", "print('should not run')"], env)
+def test_a_bad_value_in_strict_mode_stops_the_child_with_one_message(tmp_path):
+    env = with_fake_megatron(clean_env(GEMM_PATCH_BACKEND="cublas", GEMM_PATCH_STRICT="1"), tmp_path)
+    proc = run([*RUN, "python", "-c", "import megatron.core; print('should not run')"], env)
     assert proc.returncode == 1
     assert proc.stdout == ""
     assert len(proc.stderr.splitlines()) == 1, proc.stderr
     assert "GEMM_PATCH_BACKEND='cublas' is not accepted" in proc.stderr
+    assert "[start-up hook: gemm-patch run, on import of megatron.core]" in proc.stderr
     assert "GEMM_PATCH_STRICT=1" in proc.stderr
+
+
+def test_a_child_that_never_imports_megatron_loads_neither_wrapt_nor_gemm_patch():
+    proc = run([*RUN, "python", "-c", LOADED], clean_env())
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert proc.stdout.split() == ["False", "False"]
+
+
+def test_a_sitecustomize_that_imports_megatron_runs_first_and_the_child_is_patched(tmp_path):
+    # Nothing of gemm_patch's while the user's sitecustomize runs, even though it imports
+    # megatron; the hook then finds megatron imported and loads gemm_patch at once.
+    user_dir = tmp_path / "user"
+    user_dir.mkdir()
+    (user_dir / "sitecustomize.py").write_text(textwrap.dedent("""
+        import sys
+        import megatron.core
+        GEMM_PATCH_LOADED = "gemm_patch" in sys.modules
+    """))
+    env = with_fake_megatron(clean_env(), tmp_path)
+    env["PYTHONPATH"] = f"{user_dir}:{env['PYTHONPATH']}"
+    proc = run([*RUN, "python", "-c", "import sitecustomize; print(sitecustomize.GEMM_PATCH_LOADED); " + STATE],
+               env)
+    assert state_of(proc) == {"loaded": True, "applied": True}
+    assert proc.stdout.split()[0] == "False"
+    assert proc.stderr == ""
 
 
 def _python_without_gemm_patch(cwd) -> str:
@@ -150,8 +189,8 @@ def _python_without_gemm_patch(cwd) -> str:
 def test_an_interpreter_without_gemm_patch_gets_one_line(strict, tmp_path):
     python = _python_without_gemm_patch(tmp_path)
     env = clean_env(GEMM_PATCH_STRICT=strict)
-    env["PYTHONPATH"] = ""
-    proc = run([*RUN, python, "-c", "print('alive')"], env, cwd=tmp_path)
+    env["PYTHONPATH"] = str(fake_targets(tmp_path)["namespace"])
+    proc = run([*RUN, python, "-c", "import megatron.core; print('alive')"], env, cwd=tmp_path)
     lines = proc.stderr.splitlines()
     assert len(lines) == 1 and "cannot import gemm_patch" in lines[0], proc.stderr
     if strict == "1":

@@ -48,7 +48,8 @@ _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
 # Both hooks can fire in one process (the launcher also sets GEMM_PATCH_AUTO=1, so an
-# environment with the .pth runs it first); the second call must neither redo nor re-report.
+# environment with the .pth runs it first, and it defers to the launcher's sitecustomize where
+# that comes next); a second call must neither redo nor re-report.
 _finder = None
 _done = False  # gemm_patch's import was attempted (whatever came of it)
 _lock = _thread.allocate_lock()  # held for a few assignments, never across an import
@@ -65,8 +66,8 @@ def start(source):
     if _done or _flag("GEMM_PATCH") in _FALSE:
         return  # GEMM_PATCH=0 beats every entry point; don't even import the package
     if _finder is not None:
-        if source == "gemm-patch run":
-            _finder.source = source  # the .pth went first; the launcher is what the user ran
+        return
+    if source == "GEMM_PATCH_AUTO" and _launcher_sitecustomize_comes_next():
         return
     if sys.version_info < (3, 5) or any(name in sys.modules for name in TRIGGERS):
         # A target's package is already here (a sitecustomize imported it), or an interpreter
@@ -75,6 +76,26 @@ def start(source):
         return
     _finder = _Finder(source)
     sys.meta_path.insert(0, _finder)
+
+
+def _launcher_sitecustomize_comes_next():
+    """True when site will import the launcher's bootstrap sitecustomize after the .pth files.
+    That one runs the sitecustomize that would have run without the launcher first and then
+    starts this hook, so the .pth hook (which fires earlier, while site-packages are processed)
+    leaves it the work: nothing of gemm_patch's, not even the finder, is there while that other
+    sitecustomize runs, and a megatron it imports is patched right after it."""
+    if "sitecustomize" in sys.modules:
+        return False
+    try:
+        try:  # the import system's own PathFinder: loaded already, unlike importlib.machinery
+            from _frozen_importlib_external import PathFinder
+        except ImportError:
+            from importlib.machinery import PathFinder
+        spec = PathFinder.find_spec("sitecustomize")
+        origin = os.path.dirname(os.path.abspath(spec.origin)) if spec and spec.origin else ""
+    except Exception:
+        return False
+    return origin.endswith(os.path.join("gemm_patch", "bootstrap"))
 
 
 def load_gemm_patch(source, trigger=None):
@@ -124,7 +145,9 @@ class _Finder(object):
                     continue
                 find = getattr(finder, "find_spec", None)
                 if find is None:
-                    continue  # a legacy finder: leave this import to Python's own loop
+                    if hasattr(finder, "find_module"):
+                        return None  # a legacy finder: leave this import to Python's own loop
+                    continue
                 spec = find(fullname, path, target)
                 if spec is not None:
                     break
@@ -153,7 +176,9 @@ class _ChainedLoader(object):
         self.loader = loader
         self.finder = finder
 
-    def __getattr__(self, name):
+    def __getattr__(self, name):  # anything else a loader offers (get_code, is_package, ...)
+        if name in ("loader", "finder"):
+            raise AttributeError(name)
         return getattr(self.loader, name)
 
     def create_module(self, spec):

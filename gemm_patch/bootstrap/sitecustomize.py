@@ -39,15 +39,30 @@ def _entries_after_here():
     return [e for e in sys.path if not _same_dir(e, _HERE)]
 
 
-def _run_next_sitecustomize():
-    import importlib.machinery
-    import importlib.util
+def _import_machinery():
+    """(PathFinder, module_from_spec): the objects importlib.machinery and importlib.util
+    re-export, taken from the import system's own modules, which every CPython has loaded before
+    site runs; importing importlib.util instead costs a few milliseconds (contextlib,
+    collections, functools) in every process."""
+    try:
+        import _frozen_importlib
+        import _frozen_importlib_external
 
-    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", _entries_after_here())
+        return _frozen_importlib_external.PathFinder, _frozen_importlib.module_from_spec
+    except (ImportError, AttributeError):
+        import importlib.machinery
+        import importlib.util
+
+        return importlib.machinery.PathFinder, importlib.util.module_from_spec
+
+
+def _run_next_sitecustomize():
+    path_finder, module_from_spec = _import_machinery()
+    spec = path_finder.find_spec("sitecustomize", _entries_after_here())
     if spec is None or spec.loader is None:
         return
     ours = sys.modules.get("sitecustomize")
-    module = importlib.util.module_from_spec(spec)
+    module = module_from_spec(spec)
     # Installed under the name it was written for, so that `import sitecustomize` later on
     # finds the user's module, as it would have without the launcher.
     sys.modules["sitecustomize"] = module

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
-from importlib import machinery, metadata, util
+from importlib import machinery, util
 
 # Distribution names to try per component, first found wins (TE ships under several names).
 DISTRIBUTIONS: dict[str, tuple[str, ...]] = {
@@ -36,6 +36,8 @@ def distribution_version(component: str) -> str | None:
     version = getattr(module, "__version__", None)
     if isinstance(version, str):
         return version
+    from importlib import metadata  # ~10 ms of imports (email, zipfile, csv): only when asked
+
     for name in DISTRIBUTIONS.get(component, (component,)):
         try:
             return metadata.version(name)

@@ -32,10 +32,16 @@ from typing import Any
 DEFAULT_BOUND = 2.0 ** -7
 
 TE_FUSED_SUFFIXES = (".linear_qkv.weight", ".linear_proj.weight", ".linear_fc1.weight",
-                     ".linear_fc2.weight")
+                     ".linear_fc2.weight", ".eh_proj.weight")
 
 
 def param_kind(name: str) -> str:
+    """As train_gpt_fsdp.param_kind: embedding (tied: also the output layer), expert, megatron-fused,
+    te-fused, not-fused."""
+    if name.endswith("word_embeddings.weight"):
+        return "embedding"
+    if ".experts." in name and ".weight" in name:
+        return "expert"
     if name.endswith("output_layer.weight"):
         return "megatron-fused"
     if name.endswith(TE_FUSED_SUFFIXES):

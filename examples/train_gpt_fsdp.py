@@ -65,18 +65,32 @@ from typing import Any
 
 RUN_KEYS = ("name", "fusion", "main_grads_dtype", "sharding", "steps", "micro_batches", "layers",
             "hidden", "seq", "vocab", "micro_batch_size", "seed", "lr", "lr_warmup_steps", "adam_beta2",
-            "grad_dump", "wgrad_rule")
+            "grad_dump", "wgrad_rule", "tied", "mtp_layers", "moe_experts", "moe_topk", "mode", "spec")
 
 # Weights whose gradient is written by a fused wgrad GEMM straight into main_grad when
 # gradient_accumulation_fusion is on: TE's linear layers, and megatron's ColumnParallelLinear
 # output layer (the call site gemm_patch rewrites). Everything else goes through param.grad.
 TE_FUSED_SUFFIXES = (".linear_qkv.weight", ".linear_proj.weight", ".linear_fc1.weight",
-                     ".linear_fc2.weight")
+                     ".linear_fc2.weight", ".eh_proj.weight")
 MEGATRON_FUSED_SUFFIXES = ("output_layer.weight",)
 
 
 def param_kind(name: str) -> str:
-    """'megatron-fused', 'te-fused' or 'not-fused' for a parameter name of this model."""
+    """The parameter's class for the reports (examples/compare_grads.py has the same rule):
+
+    * 'embedding': ``embedding.word_embeddings.weight``. With tied embeddings
+      (``--tied on``) it is also the output layer's weight, so with fusion on its gradient is
+      the fused output-layer wgrad written into main_grad (once, or twice with MTP) plus every
+      embedding lookup's ``param.grad`` (issue 13); untied it is a plain ``param.grad`` weight.
+    * 'expert': MoE expert weights (TE grouped linear, fused wgrad).
+    * 'megatron-fused': the untied ``output_layer.weight`` (megatron's ColumnParallelLinear).
+    * 'te-fused': TE linear layers, the MTP layers' ``eh_proj`` included.
+    * 'not-fused': everything else (norms, router, biases).
+    """
+    if name.endswith("word_embeddings.weight"):
+        return "embedding"
+    if ".experts." in name and ".weight" in name:
+        return "expert"
     if name.endswith(MEGATRON_FUSED_SUFFIXES):
         return "megatron-fused"
     if name.endswith(TE_FUSED_SUFFIXES):
@@ -91,7 +105,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="gradient_accumulation_fusion (TE fuse_wgrad_accumulation + megatron's fused wgrad)")
     p.add_argument("--main-grads-dtype", choices=("fp32", "bf16"), default="fp32",
                    help="Megatron-FSDP main gradient buffer and gradient communication dtype")
-    p.add_argument("--sharding", choices=("optim_grads_params", "no_shard"), default="optim_grads_params")
+    p.add_argument("--sharding", choices=("optim_grads_params", "optim_grads", "optim", "no_shard"),
+                   default="optim_grads_params")
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step and rank")
     p.add_argument("--layers", type=int, default=4)
@@ -114,6 +129,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--wgrad-rule", choices=("auto", "overwrite", "accumulate"), default="auto",
                    help="diagnostics, needs gemm_patch: force the fused output-layer wgrad to overwrite "
                         "(the pre-fix behaviour) or accumulate instead of gemm_patch's rule")
+    p.add_argument("--tied", choices=("on", "off"), default="off",
+                   help="share_embeddings_and_output_weights (issue 13: the tied weight is written by the "
+                        "fused output-layer wgrad and by the embedding lookup's param.grad)")
+    p.add_argument("--mtp-layers", type=int, default=0,
+                   help="multi-token-prediction layers (mtp_num_layers; get_gpt_mtp_block_spec)")
+    p.add_argument("--moe-experts", type=int, default=0,
+                   help="MoE experts per layer (0: dense MLP); grouped GEMM, alltoall dispatcher")
+    p.add_argument("--moe-topk", type=int, default=2)
+    p.add_argument("--mode", choices=("train", "autograd"), default="train",
+                   help="autograd: the issue-10 oracle 2 instead of training (examples/autograd_oracle.py): "
+                        "the same model and initial weights without Megatron-FSDP, rank 0 runs every rank's "
+                        "micro-batches of step 1 by plain autograd and dumps the fp32-summed gradients")
+    p.add_argument("--spec", choices=("te", "local"), default="te",
+                   help="layer spec: TE layers (default) or megatron-core's local layers (CPU dry runs)")
     p.add_argument("--plan", default=None,
                    help="JSON list of runs, each a dict of the flags above (dest names) overriding the "
                         "command line; all run in this process, one after another")
@@ -149,19 +178,38 @@ def build_configs(run: dict[str, Any]):
 
     fp32_grads = run["main_grads_dtype"] == "fp32"
     hidden = run["hidden"]
-    tconfig = TransformerConfig(
-        num_layers=run["layers"],
-        hidden_size=hidden,
-        num_attention_heads=max(1, hidden // 64),
-        ffn_hidden_size=4 * hidden,
-        bf16=True,
-        params_dtype=torch.bfloat16,
-        pipeline_dtype=torch.bfloat16,
-        gradient_accumulation_fusion=run["fusion"] == "on",
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        init_method_std=0.02,
-    )
+    extra: dict[str, Any] = {}
+    if run.get("mtp_layers"):
+        extra["mtp_num_layers"] = int(run["mtp_layers"])
+    if run.get("moe_experts"):
+        # 4-8 experts top-2 through TE's grouped GEMM (fused wgrad into main_grad like the dense
+        # TE layers), a shared expert, alltoall dispatcher, the load-balancing aux loss.
+        extra.update(num_moe_experts=int(run["moe_experts"]), moe_router_topk=int(run["moe_topk"]),
+                     moe_grouped_gemm=True, moe_ffn_hidden_size=2 * hidden,
+                     moe_shared_expert_intermediate_size=2 * hidden,
+                     moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="aux_loss",
+                     moe_aux_loss_coeff=1e-2,
+                     # megatron-core refuses biases in shared experts ("bias is not supported in
+                     # the shared experts"): no linear biases in MoE models.
+                     add_bias_linear=False)
+    if run.get("spec") == "local":  # CPU dry runs: no TE, no fused kernels
+        extra.update(use_cpu_initialization=True, apply_rope_fusion=False, bias_activation_fusion=False,
+                     masked_softmax_fusion=False, bias_dropout_fusion=False, persist_layer_norm=False,
+                     gradient_accumulation_fusion=False)
+    tconfig = TransformerConfig(**{
+        "num_layers": run["layers"],
+        "hidden_size": hidden,
+        "num_attention_heads": max(1, hidden // 64),
+        "ffn_hidden_size": 4 * hidden,
+        "bf16": True,
+        "params_dtype": torch.bfloat16,
+        "pipeline_dtype": torch.bfloat16,
+        "gradient_accumulation_fusion": run["fusion"] == "on",
+        "hidden_dropout": 0.0,
+        "attention_dropout": 0.0,
+        "init_method_std": 0.02,
+        **extra,
+    })
     ddp_config = DistributedDataParallelConfig(
         use_megatron_fsdp=True,
         data_parallel_sharding_strategy=run["sharding"],
@@ -174,9 +222,12 @@ def build_configs(run: dict[str, Any]):
         overlap_param_gather=True,
         # fp32: main grads and gradient communication in fp32 (the adapter maps this flag to
         # MixedPrecisionPolicy(main_grads_dtype=fp32, grad_comm_dtype=fp32)).
+        # megatron-core <= 0.17 maps grad_reduce_in_fp32 to fp32 main grads; 0.19 no longer does
+        # (mcore_fsdp_adapter.py builds the MixedPrecisionPolicy from the megatron_fsdp_* fields
+        # alone, and None means "the parameters' dtype", i.e. bf16), so both are set explicitly.
         grad_reduce_in_fp32=fp32_grads,
-        megatron_fsdp_main_grads_dtype=None if fp32_grads else torch.bfloat16,
-        megatron_fsdp_grad_comm_dtype=None if fp32_grads else torch.bfloat16,
+        megatron_fsdp_main_grads_dtype=torch.float32 if fp32_grads else torch.bfloat16,
+        megatron_fsdp_grad_comm_dtype=torch.float32 if fp32_grads else torch.bfloat16,
     )
     opt_config = OptimizerConfig(
         optimizer="adam",
@@ -192,6 +243,52 @@ def build_configs(run: dict[str, Any]):
         use_distributed_optimizer=True,
     )
     return tconfig, ddp_config, opt_config
+
+
+def build_gpt(run: dict[str, Any], tconfig):
+    """The GPTModel of one run: TE layer spec (or the local one for CPU dry runs), MoE layers
+    when ``moe_experts``, an MTP block from ``get_gpt_mtp_block_spec`` when ``mtp_layers``, tied
+    or untied embeddings. Call it right after seeding: the initial weights depend only on the
+    seed and the shapes (examples/autograd_oracle.py builds the same model this way)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    te = run.get("spec", "te") == "te"
+    moe = {"num_experts": int(run["moe_experts"]), "moe_grouped_gemm": True} if run.get("moe_experts") else {}
+    layer_spec = (specs.get_gpt_layer_with_transformer_engine_spec if te else specs.get_gpt_layer_local_spec)(**moe)
+    mtp_block_spec = None
+    if run.get("mtp_layers"):
+        mtp_block_spec = specs.get_gpt_mtp_block_spec(tconfig, layer_spec, use_transformer_engine=te)
+    return GPTModel(
+        config=tconfig,
+        transformer_layer_spec=layer_spec,
+        vocab_size=run["vocab"],
+        max_sequence_length=run["seq"],
+        pre_process=True,
+        post_process=True,
+        parallel_output=True,
+        # Untied (the 0.1.0 campaign): the output layer's fused wgrad is the only writer of its
+        # main_grad. Tied (issue 13): the embedding's weight is also the output layer's.
+        share_embeddings_and_output_weights=run.get("tied") == "on",
+        position_embedding_type="rope",
+        mtp_block_spec=mtp_block_spec,
+    )
+
+
+def weights_hash(module) -> str:
+    """sha256 of every parameter's bytes, in name order: runs that should start from the same
+    initial weights (training configurations and the autograd oracle) record it before any
+    wrapping, and the campaign checks they agree."""
+    import hashlib
+
+    import torch
+
+    h = hashlib.sha256()
+    for name, param in sorted(module.named_parameters(), key=lambda kv: kv[0]):
+        h.update(name.encode())
+        t = param.detach().contiguous().cpu()
+        h.update(t.view(torch.int16 if t.element_size() == 2 else torch.int32).numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 # -- data ---------------------------------------------------------------------------------------
@@ -422,8 +519,6 @@ def train_one(run: dict[str, Any], untimed_steps: int, first_in_process: bool) -
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.distributed import FullyShardedDataParallel, finalize_model_grads
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -449,20 +544,11 @@ def train_one(run: dict[str, Any], untimed_steps: int, first_in_process: bool) -
     torch.manual_seed(run["seed"])
     model_parallel_cuda_manual_seed(run["seed"])
 
-    gpt = GPTModel(
-        config=tconfig,
-        transformer_layer_spec=get_gpt_layer_with_transformer_engine_spec(),
-        vocab_size=run["vocab"],
-        max_sequence_length=run["seq"],
-        pre_process=True,
-        post_process=True,
-        parallel_output=True,
-        # Untied, so the output layer's fused wgrad is the only writer of its main_grad.
-        share_embeddings_and_output_weights=False,
-        position_embedding_type="rope",
-    )
+    gpt = build_gpt(run, tconfig)
     gpt.cuda(torch.cuda.current_device())
+    init_hash = weights_hash(gpt)
     model = FullyShardedDataParallel(config=tconfig, ddp_config=ddp_config, module=Float16Module(tconfig, gpt))
+    main_grad_dtypes = _main_grad_dtypes(model)
     optimizer = get_megatron_optimizer(opt_config, [model])
     # Linear warmup from 0, then constant (megatron-core's scheduler, as Megatron-LM uses it).
     # It sets every param group's lr at construction (num_steps = 0: lr 0) and on each step(1);
@@ -590,6 +676,10 @@ def train_one(run: dict[str, Any], untimed_steps: int, first_in_process: bool) -
         "name": run["name"],
         "config": run,
         "world_size": world,
+        "init_hash": init_hash,
+        # The dtypes of Megatron-FSDP's main gradient buffers as built (fp32 expected with
+        # main_grads_dtype fp32).
+        "main_grad_buffer_dtypes": main_grad_dtypes,
         "tokens_per_step": tokens_per_step,
         "steps": steps,
         "summary": summary,
@@ -602,6 +692,22 @@ def train_one(run: dict[str, Any], untimed_steps: int, first_in_process: bool) -
         "gemm_patch_te_overwrite_env": os.environ.get("GEMM_PATCH_TE_OVERWRITE"),
         "gemm_patch_after_wrap": gemm_patch_status,
     }
+
+
+def _main_grad_dtypes(model) -> list[str]:
+    """The dtypes of the model's Megatron-FSDP main gradient buffers (best effort: [] when the
+    buffer layout is not the expected one)."""
+    dtypes: set[str] = set()
+    try:
+        for m in model.modules():
+            buf = getattr(m, "param_and_grad_buffer", None)
+            for group in getattr(buf, "parameter_groups", None) or []:
+                gbuf = getattr(group, "main_grad_buffer", None)
+                if gbuf is not None:
+                    dtypes.add(str(getattr(gbuf, "dtype", None)))
+    except Exception as exc:  # noqa: BLE001 - a diagnostic, never a failure
+        return [f"unknown: {type(exc).__name__}: {exc}"]
+    return sorted(dtypes)
 
 
 def _first_lr(optimizer) -> float | None:
@@ -626,6 +732,8 @@ def environment() -> dict[str, Any]:
     from megatron.core import package_info
     versions["megatron_core"] = package_info.__version__
     gp = sys.modules.get("gemm_patch")
+    versions["gemm_patch"] = getattr(gp, "__version__", None) if gp is not None else None
+    versions["gemm_patch_file"] = getattr(gp, "__file__", None) if gp is not None else None
     return {
         "versions": versions,
         "gpu": torch.cuda.get_device_name(),
@@ -650,7 +758,9 @@ def check_patched() -> None:
     if dist.get_rank() == 0:
         print(f"[gemm_patch] targets before the model is built: {states} "
               f"(GEMM_PATCH_TE_OVERWRITE={os.environ.get('GEMM_PATCH_TE_OVERWRITE')!r})", flush=True)
-    if states.get("fsdp-wgrad") not in ("verified", "unverified"):
+    # 0.1.0: verified/unverified (both patched); 0.2: verified/compatible/forced (unverified is
+    # left alone there, and the output layer's fused wgrad then fails with megatron's dtype error).
+    if states.get("fsdp-wgrad") not in ("verified", "unverified", "compatible", "forced"):
         raise SystemExit(f"--require-patch: fsdp-wgrad target is {states.get('fsdp-wgrad')!r}")
 
 
@@ -684,7 +794,13 @@ def main(argv: list[str] | None = None) -> int:
         "runs": [],
     }
     for i, run in enumerate(runs):
-        results["runs"].append(train_one(run, args.untimed_steps, first_in_process=i == 0))
+        if run["mode"] == "autograd":
+            from autograd_oracle import run_oracle  # examples/autograd_oracle.py, next to this script
+
+            results["runs"].append(run_oracle(run))
+            results["runs"][-1].setdefault("gemm_patch_after_wrap", None)
+        else:
+            results["runs"].append(train_one(run, args.untimed_steps, first_in_process=i == 0))
         if results["runs"][-1]["gemm_patch_after_wrap"] is not None:
             results["gemm_patch_after_wrap"] = results["runs"][-1]["gemm_patch_after_wrap"]
         if dist.get_rank() == 0:  # written after every run: a later crash keeps the earlier ones

@@ -1,0 +1,107 @@
+"""Oracle 2 of issues 10 and 13 (``autograd``): the weight gradient of step 1 computed without
+Megatron-FSDP, to check the fusion-off run (oracle 1) and the patched runs against.
+
+What it runs (one configuration of examples/train_gpt_fsdp.py's ``--plan`` with
+``"mode": "autograd"``; the training script imports this module):
+
+* the same model: ``build_gpt`` of the training script with the run's flags (tied embeddings,
+  MTP, MoE), gradient-accumulation fusion off, built right after the same seeding as the training
+  runs, so its initial weights are the training runs' initial weights (``init_hash``: the
+  campaign checks that every run of a layout recorded the same hash). No wrapper but megatron's
+  ``Float16Module`` (bf16 compute, fp32 loss, as in training).
+* the weights: bf16 model weights, which at step 1 are exactly the fp32 master copy (the
+  optimizer's main weights are made from them);
+* the same micro-batches: ``PatternData.global_batch(1, dp * M * mbs)``, rank r's
+  micro-batch i is rows ``(r * M + i) * mbs ...`` as in training; all ``dp * M`` of them run
+  on rank 0, one after another (the other ranks wait at a barrier): nothing is sharded, so
+  nothing has to be gathered;
+* plain autograd: for each micro-batch ``loss = mean per-token loss / M`` (what megatron's
+  schedule backpropagates: ``output_tensor /= num_microbatches``), the MTP and MoE auxiliary
+  losses scaled by ``1 / M`` through their ``set_loss_scale`` exactly as the schedule does,
+  ``loss.backward()``; then each parameter's ``.grad`` (bf16, the sum of all its uses in that
+  backward, as autograd and Megatron-FSDP's fusion-off path both see it) is added in fp32 into
+  an accumulator and cleared;
+* the reduction: accumulators divided by dp (Megatron-FSDP's ``gradient_scaling_factor`` is
+  1/dp; dp = 1 or 2, a power of two, so the division is exact).
+
+The dump has the training script's ``--grad-dump`` format ({name: fp32 CPU tensor}, names
+without wrappers), so examples/compare_grads.py compares it like any other dump.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+
+def run_oracle(run: dict[str, Any], device: str | None = None) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.module import Float16Module
+    from train_gpt_fsdp import PatternData, build_configs, build_gpt, strip_wrappers, weights_hash
+
+    if not run.get("grad_dump"):
+        raise SystemExit(f"{run['name']}: mode autograd needs grad_dump")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    dp = parallel_state.get_data_parallel_world_size() if dist.is_initialized() else 1
+    m, mbs, seq = int(run["micro_batches"]), int(run["micro_batch_size"]), int(run["seq"])
+    result: dict[str, Any] = {"name": run["name"], "config": run, "mode": "autograd", "dp": dp,
+                              "world_size": dist.get_world_size() if dist.is_initialized() else 1}
+    if rank == 0:
+        t0 = time.perf_counter()
+        tconfig = build_configs({**run, "fusion": "off"})[0]
+        torch.manual_seed(run["seed"])
+        if device == "cuda":
+            model_parallel_cuda_manual_seed(run["seed"])
+        gpt = build_gpt(run, tconfig)
+        gpt.to(device)
+        result["init_hash"] = weights_hash(gpt)
+        model = Float16Module(tconfig, gpt)
+        params = {strip_wrappers(n): p for n, p in model.named_parameters() if p.requires_grad}
+        acc = {n: torch.zeros(p.shape, dtype=torch.float32, device=p.device) for n, p in params.items()}
+
+        data = PatternData(run["vocab"], seq, run["seed"])
+        batch = data.global_batch(1, dp * m * mbs)
+        position_ids = torch.arange(seq, device=device).unsqueeze(0).expand(mbs, -1)
+        scale = torch.ones(1, device=device) / m
+        losses = []
+        for k in range(dp * m):  # rank r = k // m, its micro-batch k % m
+            tokens = batch[k * mbs:(k + 1) * mbs].to(device)
+            inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+            output = model(inputs, position_ids, None, labels=labels)
+            loss = output.float().mean()
+            losses.append(float(loss))
+            if getattr(tconfig, "mtp_num_layers", None):
+                from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+                MTPLossAutoScaler.set_loss_scale(scale)
+            if getattr(tconfig, "num_moe_experts", None):
+                from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+                MoEAuxLossAutoScaler.set_loss_scale(scale)
+            (loss / m).backward()
+            for n, p in params.items():
+                if p.grad is not None:
+                    acc[n].add_(p.grad.float())
+                    p.grad = None
+        grads = {n: (a / dp).cpu() for n, a in acc.items()}
+        from pathlib import Path
+        Path(run["grad_dump"]).parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"format": "gemm_patch.grad_dump/1", "meta": {"run": run, "oracle": "autograd", "dp": dp},
+                    "grads": grads}, run["grad_dump"])
+        # Step 1's loss as the training runs log it: mean over micro-batches, then over ranks.
+        per_rank = [sum(losses[r * m:(r + 1) * m]) / m for r in range(dp)]
+        result.update(step1_loss=sum(per_rank) / dp, micro_batch_losses=losses,
+                      grad_dump={"path": run["grad_dump"], "params": len(grads),
+                                 "norms": {n: float(g.norm()) for n, g in grads.items()}},
+                      seconds=time.perf_counter() - t0)
+        del model, gpt, params, acc, grads
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        print(f"[{run['name']}] autograd oracle: {dp * m} micro-batches, step-1 loss {result['step1_loss']:.5f}, "
+              f"{result['grad_dump']['params']} params, init {result['init_hash']}, {result['seconds']:.1f} s",
+              flush=True)
+    if dist.is_initialized():
+        dist.barrier()
+    return result

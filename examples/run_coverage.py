@@ -1,0 +1,682 @@
+#!/usr/bin/env python
+"""Issue 13's H200 proof: tied embeddings and multi-token prediction on Megatron-FSDP, before
+and after gemm-patch's shared-weight fix, against both oracles of issue 10.
+
+    python examples/run_coverage.py --out OUT [--releases 0.17.1,0.19.2] [--configs off,off_repeat,before,after]
+        [--layouts dp1_tied,dp1_tied_mtp,dp2_tied,dp2_tied_mtp] [--baseline .baseline] ...
+
+(examples/run_coverage.sh sets up the GPU kit and calls this.)
+
+Layouts (``LAYOUTS``): ``dp1_tied``, ``dp1_tied_mtp`` (1 GPU), ``dp2_tied``, ``dp2_tied_mtp``
+(2 GPUs), optional MoE variants ``*_moe`` (4 experts top-2, grouped GEMM, shared expert). Each
+layout runs every Megatron-FSDP strategy of ``--strategies-dp1`` / ``--strategies-dp2``.
+
+Configurations, one training process each per (release, layout):
+  * ``off``: gradient-accumulation fusion off, fp32 main grads (oracle 1); plain torchrun, no
+    gemm_patch in the process. The process first runs the autograd oracle (oracle 2,
+    examples/autograd_oracle.py) for 4 and 1 micro-batches.
+  * ``off_repeat``: the same again (run-to-run noise of both oracles).
+  * ``before``: fusion on under ``gemm-patch run`` with gemm-patch 0.1.0 (``--baseline``: a copy
+    of commit 4c56ac3's gemm_patch/ first on PYTHONPATH).
+  * ``after``: fusion on under ``gemm-patch run`` with this checkout's gemm_patch.
+Per strategy each process runs STEPS steps with 4 micro-batches (gradient dump after step 1's
+backward and finalize_model_grads, before the optimizer step: the full reduced gradient of every
+parameter, gathered over ranks) and one step with 1 micro-batch (dump). Processes run with their
+working directory in the scratch folder, so ``python -m gemm_patch`` imports the gemm_patch of
+PYTHONPATH, never the checkout's by accident; each records ``gemm_patch.__file__``.
+
+Gradient parity (per release, layout, strategy, micro-batch count, configuration):
+  rel = ||g - g_ref|| / ||g_ref|| per parameter, PASS when every parameter's rel <= max(2^-7,
+  3 x noise), noise = that parameter's rel between the oracle's two runs (off vs off_repeat; for
+  the autograd oracle the larger of autograd-vs-autograd and off-vs-off_repeat, since the
+  compared run has Megatron-FSDP's own run-to-run noise). 2^-7 = 4u, u = 2^-8 the bf16 unit
+  roundoff: the fusion-off path and the oracle round each micro-batch's weight gradient to
+  bf16 once before the fp32 sum, the fused path rounds nothing, so a correct fused run differs
+  by about u/sqrt(3) ~ 2e-3 in norm (measured <= 1.9e-3 in the 0.1.0 campaign); a lost
+  contribution of a tied weight (the embedding lookup's gradient) or a lost micro-batch is
+  orders of magnitude above 2^-7.
+
+Loss parity (STEPS steps, 4 micro-batches): PASS when max_step |x - off| <= max(3 x noise,
+``--loss-floor``), noise = max_step |off - off_repeat| (fusion-off's own run-to-run noise).
+
+Output (at most 8 files in OUT): coverage.json, coverage.md, coverage_details.json.gz (every
+parameter's row, every process's JSON), coverage_logs.txt.gz.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+SCRIPT = HERE / "train_gpt_fsdp.py"
+BOUND = 2.0 ** -7
+NOISE_FACTOR = 3.0
+
+LAYOUTS: dict[str, dict[str, Any]] = {
+    "dp1_tied": {"gpus": 1, "tied": "on", "mtp_layers": 0, "moe_experts": 0},
+    "dp1_tied_mtp": {"gpus": 1, "tied": "on", "mtp_layers": 1, "moe_experts": 0},
+    "dp2_tied": {"gpus": 2, "tied": "on", "mtp_layers": 0, "moe_experts": 0},
+    "dp2_tied_mtp": {"gpus": 2, "tied": "on", "mtp_layers": 1, "moe_experts": 0},
+    # Controls: untied embeddings, where gemm-patch 0.1.0 is already right (the 0.1.0 campaign);
+    # their fused-vs-off loss difference is the legitimate effect of fusion on the loss curve.
+    "dp1_untied": {"gpus": 1, "tied": "off", "mtp_layers": 0, "moe_experts": 0},
+    "dp2_untied": {"gpus": 2, "tied": "off", "mtp_layers": 0, "moe_experts": 0},
+    "dp1_untied_moe": {"gpus": 1, "tied": "off", "mtp_layers": 0, "moe_experts": 4},
+    "dp2_untied_moe": {"gpus": 2, "tied": "off", "mtp_layers": 0, "moe_experts": 4},
+    "dp1_tied_moe": {"gpus": 1, "tied": "on", "mtp_layers": 0, "moe_experts": 4},
+    "dp1_tied_mtp_moe": {"gpus": 1, "tied": "on", "mtp_layers": 1, "moe_experts": 4},
+    "dp2_tied_moe": {"gpus": 2, "tied": "on", "mtp_layers": 0, "moe_experts": 4},
+    "dp2_tied_mtp_moe": {"gpus": 2, "tied": "on", "mtp_layers": 1, "moe_experts": 4},
+}
+CONFIGS = ("off", "off_repeat", "before", "after")
+PROTECT_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    p.add_argument("--merge", nargs="+", metavar="COVERAGE_JSON",
+                   help="merge coverage.json files of several calls instead of running: records keyed by "
+                        "(release, layout, strategy, micro_batches), a later file's record replacing an earlier "
+                        "one; writes OUT/coverage.json and OUT/coverage.md")
+    p.add_argument("--scratch", default="/tmp/gemm_patch_coverage")
+    p.add_argument("--releases", default="0.17.1", help="megatron-core versions, comma-separated")
+    p.add_argument("--mcore-root", default="/tmp/gp", help="the GPU kit's install root: mcXXYY per release")
+    p.add_argument("--layouts", default="dp1_tied,dp1_tied_mtp,dp2_tied,dp2_tied_mtp")
+    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--strategies-dp1", default="optim_grads_params,no_shard")
+    p.add_argument("--strategies-dp2", default="optim_grads_params,no_shard,optim,optim_grads")
+    p.add_argument("--baseline", default=str(ROOT / ".baseline"),
+                   help="folder holding gemm-patch 0.1.0's gemm_patch/ (git archive 4c56ac3 gemm_patch)")
+    p.add_argument("--after-root", default=str(ROOT),
+                   help="folder whose gemm_patch/ is the 'after' configuration (default: this checkout; "
+                        "a `git archive HEAD gemm_patch` copy pins a commit while others edit the tree)")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--micro-batch-size", type=int, default=2)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--per-gpu", type=int, default=4, help="processes sharing one GPU at a time")
+    p.add_argument("--deadline", type=float, default=420, help="seconds after which no process starts")
+    p.add_argument("--proc-limit", type=float, default=240, help="seconds a process may run")
+    p.add_argument("--hard-stop", type=float, default=480,
+                   help="seconds after which every process still running is killed and the results are assembled")
+    p.add_argument("--loss-floor", type=float, default=1e-4,
+                   help="smallest loss tolerance (nats); the tolerance is mostly 3 x noise or 3 x control")
+    p.add_argument("--tree-state-file", default=str(ROOT / ".baseline" / "tree_state.txt"),
+                   help="text recorded as tree_state (git HEAD and status of the checkout, written before the call)")
+    p.add_argument("--dry", action="store_true", help="write the plans and print the commands only")
+    p.add_argument("--compare-only", action="store_true", help="skip training; compare what is in scratch")
+    return p.parse_args(argv)
+
+
+# -- plans and processes ------------------------------------------------------------------------
+
+def dump_path(scratch: Path, rel: str, layout: str, config: str, what: str, m: int) -> Path:
+    return scratch / "dumps" / rel / layout / f"{config}.{what}.m{m}.pt"
+
+
+def make_processes(args, scratch: Path) -> list[dict[str, Any]]:
+    procs = []
+    model = {"layers": args.layers, "hidden": args.hidden, "seq": args.seq, "vocab": args.vocab,
+             "micro_batch_size": args.micro_batch_size, "lr": args.lr, "main_grads_dtype": "fp32"}
+    for rel in args.releases.split(","):
+        for layout in args.layouts.split(","):
+            lay = LAYOUTS[layout]
+            shape = {k: lay[k] for k in ("tied", "mtp_layers", "moe_experts")}
+            strategies = (args.strategies_dp1 if lay["gpus"] == 1 else args.strategies_dp2).split(",")
+            for config in args.configs.split(","):
+                plan = []
+                fusion = "off" if config.startswith("off") else "on"
+                if fusion == "off":
+                    for m in (4, 1):
+                        plan.append({**model, **shape, "name": f"{config}.autograd.m{m}", "mode": "autograd",
+                                     "fusion": "off", "micro_batches": m, "steps": 1,
+                                     "grad_dump": str(dump_path(scratch, rel, layout, config, "autograd", m))})
+                for s in strategies:
+                    for m, steps in ((4, args.steps), (1, 1)):
+                        plan.append({**model, **shape, "name": f"{config}.{s}.m{m}", "mode": "train",
+                                     "fusion": fusion, "sharding": s, "micro_batches": m, "steps": steps,
+                                     "grad_dump": str(dump_path(scratch, rel, layout, config, s, m))})
+                name = f"{rel}.{layout}.{config}"
+                plan_file = scratch / "plans" / f"{name}.json"
+                plan_file.write_text(json.dumps(plan, indent=1))
+                out = scratch / "parts" / f"{name}.json"
+                torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                            "--nproc-per-node", str(lay["gpus"]), str(SCRIPT), "--plan", str(plan_file),
+                            "--out", str(out)]
+                mc = str(Path(args.mcore_root) / f"mc{rel.replace('.', '')}")
+                site = str(Path(args.mcore_root) / "site")
+                own = (ROOT, Path(args.baseline).resolve(), Path(args.after_root).resolve())
+                rest = [e for e in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                        if e and e not in (mc, site) and Path(e).resolve() not in own
+                        and not Path(e).name.startswith("mc0")]
+                if config in ("before", "after"):
+                    gp_root = str(Path(args.baseline if config == "before" else args.after_root).resolve())
+                    cmd = [sys.executable, "-m", "gemm_patch", "run", "--", *torchrun, "--require-patch"]
+                    pythonpath = [gp_root, mc, site, *rest]
+                else:
+                    gp_root, cmd, pythonpath = None, torchrun, [mc, site, *rest]
+                procs.append({"name": name, "release": rel, "layout": layout, "config": config,
+                              "gpus": lay["gpus"], "cmd": cmd, "pythonpath": os.pathsep.join(pythonpath),
+                              "gemm_patch_root": gp_root, "out": str(out), "plan": plan,
+                              "log": str(scratch / "logs" / f"{name}.log")})
+    # Releases in the order given; in each, 2-GPU processes first (they need both GPUs' slots),
+    # then 1-GPU ones; off before the rest.
+    order = {c: i for i, c in enumerate(CONFIGS)}
+    rels = {r: i for i, r in enumerate(args.releases.split(","))}
+    procs.sort(key=lambda p: (rels[p["release"]], -p["gpus"], order.get(p["config"], 9)))
+    return procs
+
+
+def run_processes(procs, args, t0: float) -> None:
+    ngpu = 2
+    load = [0] * ngpu
+    pending, running = list(procs), []
+    while pending or running:
+        for r in list(running):
+            rc = r["popen"].poll()
+            elapsed = time.time() - r["start"]
+            if rc is None and (elapsed > args.proc_limit or time.time() - t0 > args.hard_stop):
+                os.killpg(r["popen"].pid, 9)  # torchrun and its workers: the process group it leads
+                r["timed_out"] = True
+                rc = r["popen"].wait()
+            if rc is not None:
+                r["rc"], r["seconds"] = rc, round(time.time() - r["start"], 1)
+                if r.get("timed_out"):
+                    r["skipped"] = "killed at proc-limit or hard-stop"
+                r["logf"].close()
+                for g in r["gpu_ids"]:
+                    load[g] -= 1
+                running.remove(r)
+                print(f"[{time.time() - t0:6.1f}s] done {r['name']}: rc={rc} in {r['seconds']} s"
+                      f"{' (killed at proc-limit)' if r.get('timed_out') else ''}", flush=True)
+        for p in list(pending):
+            if time.time() - t0 > args.deadline:
+                p["rc"], p["skipped"] = None, f"deadline {args.deadline} s"
+                pending.remove(p)
+                print(f"skipped {p['name']}: past the deadline", flush=True)
+                continue
+            if p["gpus"] == 2:
+                if max(load) >= args.per_gpu:
+                    continue
+                gpu_ids = [0, 1]
+            else:
+                g = min(range(ngpu), key=lambda i: load[i])
+                if load[g] >= args.per_gpu:
+                    continue
+                gpu_ids = [g]
+            env = {k: v for k, v in os.environ.items() if k != "GEMM_PATCH_TE_OVERWRITE"}
+            env.update(PROTECT_ENV)
+            env.update(PYTHONPATH=p["pythonpath"], CUDA_VISIBLE_DEVICES=",".join(map(str, gpu_ids)),
+                       PYTHONUNBUFFERED="1")
+            env.pop("GEMM_PATCH_AUTO", None)
+            Path(p["log"]).parent.mkdir(parents=True, exist_ok=True)
+            p["logf"] = open(p["log"], "w")
+            p["popen"] = subprocess.Popen(p["cmd"], env=env, cwd=args.scratch, stdout=p["logf"],
+                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                          start_new_session=True)
+            p["start"], p["gpu_ids"] = time.time(), gpu_ids
+            p["start_s"] = round(p["start"] - t0, 1)
+            for g in gpu_ids:
+                load[g] += 1
+            pending.remove(p)
+            running.append(p)
+            print(f"[{time.time() - t0:6.1f}s] start {p['name']} on GPU {gpu_ids}", flush=True)
+        time.sleep(0.5)
+
+
+# -- comparisons --------------------------------------------------------------------------------
+
+def load_dump(path: Path, cache: dict):
+    import torch
+
+    key = str(path)
+    if key not in cache:
+        cache[key] = None
+        if path.exists():
+            data = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+            cache[key] = data["grads"] if isinstance(data, dict) and "grads" in data else data
+    return cache[key]
+
+
+def rel_ratio(got, ref) -> tuple[float, float]:
+    got, ref = got.double(), ref.double()
+    n = float(ref.norm())
+    d = float((got - ref).norm())
+    rel = d / n if n > 0 else (0.0 if d == 0 else float("inf"))
+    return rel, (float(got.norm()) / n if n > 0 else float("nan"))
+
+
+def compare(got: dict, ref: dict, noises: list[tuple[dict, dict]]) -> dict[str, Any]:
+    """Per parameter rel and norm ratio of got vs ref; bound max(2^-7, 3 x the largest rel of
+    the (a, b) noise pairs for that parameter)."""
+    sys.path.insert(0, str(HERE))
+    from train_gpt_fsdp import param_kind
+
+    rows, problems = [], []
+    for name in sorted(set(got) | set(ref)):
+        if name not in got or name not in ref:
+            problems.append(f"{name}: only in {'got' if name in got else 'ref'}")
+            continue
+        if tuple(got[name].shape) != tuple(ref[name].shape):
+            problems.append(f"{name}: shape {tuple(got[name].shape)} vs {tuple(ref[name].shape)}")
+            continue
+        rel, ratio = rel_ratio(got[name], ref[name])
+        noise = max((rel_ratio(a[name], b[name])[0] for a, b in noises if name in a and name in b), default=None)
+        bound = max(BOUND, NOISE_FACTOR * noise) if noise is not None else BOUND
+        rows.append({"name": name, "kind": param_kind(name), "rel": rel, "ratio": ratio, "noise_rel": noise,
+                     "bound": bound, "ok": rel <= bound})
+    worst = max(rows, key=lambda r: r["rel"] / r["bound"], default=None)
+    by_kind: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        k = by_kind.setdefault(r["kind"], {"params": 0, "max_rel": 0.0, "min_ratio": float("inf"),
+                                           "max_ratio": 0.0, "failed": 0})
+        k["params"] += 1
+        k["max_rel"] = max(k["max_rel"], r["rel"])
+        k["min_ratio"] = min(k["min_ratio"], r["ratio"])
+        k["max_ratio"] = max(k["max_ratio"], r["ratio"])
+        k["failed"] += not r["ok"]
+    failed = [r["name"] for r in rows if not r["ok"]]
+    return {
+        "params": len(rows),
+        "max_rel_diff": max((r["rel"] for r in rows), default=None),
+        "worst_param": worst["name"] if worst else None,
+        "worst_param_rel": worst["rel"] if worst else None,
+        "worst_param_bound": worst["bound"] if worst else None,
+        "min_norm_ratio": min((r["ratio"] for r in rows), default=None),
+        "max_norm_ratio": max((r["ratio"] for r in rows), default=None),
+        "failed": failed,
+        "problems": problems,
+        "passed": bool(rows) and not failed and not problems,
+        "by_kind": by_kind,
+        "rows": rows,
+    }
+
+
+def _dmax(a, b):
+    if not a or not b or len(a) != len(b):
+        return None
+    return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
+def loss_parity(losses: dict[str, list[float]], floor: float, control: float | None = None) -> dict[str, Any]:
+    """Tolerance = max(3 x fusion-off's run-to-run noise, 3 x control, floor). ``control``: the
+    untied model's max_step |fused - off| of the same release, GPU count and strategy, run with
+    gemm-patch 0.1.0 (right for untied weights): what fusion legitimately changes in the loss
+    curve (fused fp32 accumulation instead of one bf16 rounding per micro-batch). Needed because
+    fusion-off is bitwise deterministic here (noise 0), and a correct fused run cannot be."""
+    off, rep = losses.get("off"), losses.get("off_repeat")
+    if not off:
+        return {"error": "no fusion-off loss curve"}
+    dmax = _dmax
+    noise = dmax(rep, off) if rep else None
+    tol = max(NOISE_FACTOR * (noise or 0.0), NOISE_FACTOR * (control or 0.0), floor)
+    out = {"noise_max_step": noise, "control_max_step": control, "tolerance": tol, "floor": floor,
+           "noise_factor": NOISE_FACTOR}
+    for c in ("before", "after"):
+        if losses.get(c):
+            d = dmax(losses[c], off)
+            out[c] = {"max_step_diff": d, "last_step_diff": losses[c][-1] - off[-1] if d is not None else None,
+                      "passed": d is not None and d <= tol}
+    return out
+
+
+def assemble(procs, args, t0: float) -> dict[str, Any]:
+    scratch = Path(args.scratch)
+    parts = {}
+    for p in procs:
+        try:
+            parts[p["name"]] = json.loads(Path(p["out"]).read_text())
+        except (OSError, ValueError):
+            parts[p["name"]] = None
+    cache: dict[str, Any] = {}
+    records, rows, details = [], [], {"comparisons": {}, "parts": parts}
+    releases = args.releases.split(",")
+    # Loss controls: untied layouts' max_step |before - off| (gemm-patch 0.1.0 is right there).
+    controls: dict[tuple, float] = {}
+    for p in procs:
+        if p["config"] != "before" or LAYOUTS[p["layout"]]["tied"] != "off":
+            continue
+        before, off = parts.get(p["name"]), parts.get(p["name"][: -len("before")] + "off")
+        if not before or not off:
+            continue
+        off_runs = {r["name"].split(".", 1)[1]: r for r in off.get("runs", [])}
+        for r in before.get("runs", []):
+            key = r["name"].split(".", 1)[1]
+            if key.endswith(".m4") and r.get("steps") and off_runs.get(key, {}).get("steps"):
+                d = _dmax([x["loss"] for x in r["steps"]], [x["loss"] for x in off_runs[key]["steps"]])
+                if d is not None:
+                    k = (p["release"], p["gpus"], key[: -len(".m4")], bool(LAYOUTS[p["layout"]]["moe_experts"]))
+                    controls[k] = max(controls.get(k, 0.0), d)
+    for rel in releases:
+        for layout in args.layouts.split(","):
+            lay = LAYOUTS[layout]
+            strategies = (args.strategies_dp1 if lay["gpus"] == 1 else args.strategies_dp2).split(",")
+            runs: dict[str, dict] = {}  # "config.what.mM" -> run record
+            versions, init_hashes, grad_dtypes = {}, {}, set()
+            for c in args.configs.split(","):
+                part = parts.get(f"{rel}.{layout}.{c}")
+                if not part:
+                    continue
+                versions[c] = part.get("versions", {})
+                for r in part.get("runs", []):
+                    runs[r["name"]] = r
+                    if r.get("init_hash"):
+                        init_hashes[r["name"]] = r["init_hash"]
+                    grad_dtypes.update(r.get("main_grad_buffer_dtypes") or [])
+            te = next((v.get("transformer_engine") for v in versions.values() if v), None)
+            mcore = next((v.get("megatron_core") for v in versions.values() if v), rel)
+            same_init = len(set(init_hashes.values())) <= 1
+            for s in strategies:
+                for m in (4, 1):
+                    def d(config, what=s, m=m, rel=rel, layout=layout):
+                        return load_dump(dump_path(scratch, rel, layout, config, what, m), cache)
+                    off, off2 = d("off"), d("off_repeat")
+                    ag, ag2 = d("off", "autograd"), d("off_repeat", "autograd")
+                    rec: dict[str, Any] = {
+                        "layout": layout, "strategy": s, "megatron_core": mcore, "release": rel, "te": te,
+                        "gpus": lay["gpus"], "micro_batches": m, "moe": bool(lay["moe_experts"]),
+                        "tied": lay["tied"] == "on", "mtp_layers": lay["mtp_layers"],
+                        "init_hash_agree": same_init, "main_grad_buffer_dtypes": sorted(grad_dtypes),
+                        "oracles": {}}
+                    for oracle, ref, noises, gots in (
+                        ("fusion_off", off, [(off2, off)], ("before", "after", "off_repeat")),
+                        ("autograd", ag, [(ag2, ag), (off2, off)], ("before", "after", "off", "off_repeat")),
+                    ):
+                        if ref is None:
+                            rec["oracles"][oracle] = {"missing": "reference dump missing"}
+                            continue
+                        res = {}
+                        for g in gots:
+                            got = d(g)
+                            if got is None:
+                                continue
+                            cmp = compare(got, ref, [(a, b) for a, b in noises if a is not None and b is not None])
+                            label = f"{rel}.{layout}.{s}.m{m}.{g}_vs_{oracle}"
+                            details["comparisons"][label] = cmp
+                            res[g] = {k: v for k, v in cmp.items() if k != "rows"}
+                            rows.append({"layout": layout, "release": rel, "strategy": s, "micro_batches": m,
+                                         "moe": rec["moe"], "config": g, "oracle": oracle,
+                                         **{k: cmp[k] for k in ("params", "max_rel_diff", "worst_param",
+                                                                "min_norm_ratio", "max_norm_ratio", "passed")}})
+                        rec["oracles"][oracle] = res
+                    if m == 4:
+                        losses, step_ms = {}, {}
+                        for c in args.configs.split(","):
+                            r = runs.get(f"{c}.{s}.m4")
+                            if r and r.get("steps"):
+                                losses[c] = [st["loss"] for st in r["steps"]]
+                                step_ms[c] = round(r["summary"]["median_step_time_s"] * 1e3, 2)
+                        ag_run = runs.get("off.autograd.m4")
+                        rec["losses"] = losses
+                        rec["median_step_ms"] = step_ms
+                        ctrl = controls.get((rel, lay["gpus"], s, bool(lay["moe_experts"])))
+                        rec["loss_parity"] = loss_parity(losses, args.loss_floor, ctrl)
+                        if ag_run and "off" in losses:
+                            rec["step1_loss_autograd_vs_off"] = [ag_run.get("step1_loss"), losses["off"][0]]
+                    records.append(rec)
+    procs_summary = [{k: p.get(k) for k in ("name", "release", "layout", "config", "gpus", "rc", "seconds",
+                                             "start_s", "skipped", "timed_out", "gemm_patch_root", "pythonpath")}
+                     for p in procs]
+    for p in procs_summary:
+        part = parts.get(p["name"])
+        if part:
+            p["gemm_patch_file"] = part.get("versions", {}).get("gemm_patch_file")
+            p["gemm_patch_version"] = part.get("versions", {}).get("gemm_patch")
+            p["gemm_patch_targets"] = [(t.get("name"), t.get("state")) for t in
+                                       ((part.get("gemm_patch_after_wrap") or {}).get("targets") or [])]
+    return {
+        "schema": "gemm_patch.coverage/1",
+        "issue": 13,
+        "gemm_patch_sha": {"before": package_sha(Path(args.baseline)), "after": package_sha(Path(args.after_root)),
+                           "checkout": package_sha(ROOT)},
+        "gemm_patch_roots": {"before": str(Path(args.baseline).resolve()),
+                             "after": str(Path(args.after_root).resolve())},
+        "tree_state": Path(args.tree_state_file).read_text() if Path(args.tree_state_file).exists() else None,
+        "campaign_seconds": round(time.time() - t0, 1),
+        "gpu": next((pt.get("gpu") for pt in parts.values() if pt), None),
+        "model": {k: getattr(args, k) for k in ("layers", "hidden", "seq", "vocab", "micro_batch_size", "lr",
+                                                "steps")},
+        "bound": {"base": BOUND, "noise_factor": NOISE_FACTOR,
+                  "rule": "per parameter rel = ||g - g_ref|| / ||g_ref|| <= max(2^-7, 3 x noise rel)"},
+        "loss_rule": (f"max_step |x - off| <= max(3 x max_step |off - off_repeat|, 3 x control, {args.loss_floor}); "
+                      "control = the untied model's max_step |fused (gemm-patch 0.1.0) - off|, same release, "
+                      "GPU count, strategy and dense/MoE"),
+        "concurrency": f"up to {args.per_gpu} processes share a GPU; step times are contaminated by that",
+        "processes": procs_summary,
+        "records": records,
+        "rows": rows,
+    }, details
+
+
+def package_sha(root: Path) -> str | None:
+    """sha256 over gemm_patch/**/*.py under root (path and bytes), to record which code ran."""
+    import hashlib
+
+    files = sorted((root / "gemm_patch").rglob("*.py"))
+    if not files:
+        return None
+    h = hashlib.sha256()
+    for f in files:
+        h.update(str(f.relative_to(root)).encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The short table: one row per (release, layout), aggregated over its strategies and both
+    micro-batch counts (every record is in coverage.json)."""
+    groups: dict[tuple, list] = {}
+    for rec in result["records"]:
+        groups.setdefault((rec["release"], rec["layout"]), []).append(rec)
+
+    def agg(recs, config, oracle):
+        xs = [(r["oracles"].get(oracle) or {}).get(config) for r in recs]
+        xs = [x for x in xs if x]
+        if not xs:
+            return "-"
+        fails = sum(not x["passed"] for x in xs)
+        worst = max(x["max_rel_diff"] for x in xs)
+        ratio = min(x["min_norm_ratio"] for x in xs)
+        verdict = f"{len(xs) - fails}/{len(xs)} pass" if fails else f"{len(xs)}/{len(xs)} pass"
+        return f"{worst:.1e}, ratio {ratio:.3f}, {verdict}"
+
+    def loss(recs, config):
+        xs = [r.get("loss_parity", {}).get(config) for r in recs if r["micro_batches"] == 4]
+        xs = [x for x in xs if x and x.get("max_step_diff") is not None]
+        if not xs:
+            return "-"
+        fails = sum(not x["passed"] for x in xs)
+        return f"{max(x['max_step_diff'] for x in xs):.1e} ({len(xs) - fails}/{len(xs)} pass)"
+
+    lines = ["# Issue 13: tied embeddings and MTP on Megatron-FSDP, before/after gemm-patch's shared-weight fix", "",
+             f"{result.get('gpu')} x2, TE 2.20.2, bf16, fp32 main grads; model {result['model']}; "
+             f"{len(result['records'])} records ({result['campaign_seconds']:.0f} s of campaign). "
+             f"before = gemm-patch 0.1.0 (sha {result['gemm_patch_sha']['before']}), "
+             f"after = {result['gemm_patch_sha']['after']} ({(result.get('tree_state') or '').splitlines()[0]}).",
+             "", f"Gradient rule: {result['bound']['rule']}, after one step of 4 and of 1 micro-batch, every "
+             "parameter's full reduced gradient gathered over ranks. Oracles: fusion_off (the same run with "
+             "gradient-accumulation fusion off) and autograd (plain PyTorch autograd without Megatron-FSDP on "
+             "the same initial weights and micro-batches, fp32 sum). Cells: worst rel diff, smallest "
+             "per-parameter norm ratio, comparisons passing (strategies x {4, 1} micro-batches).", "",
+             "| release | layout | strategies | before vs fusion_off | before vs autograd | after vs fusion_off "
+             "| after vs autograd | fusion_off vs autograd | loss: before max diff | loss: after max diff "
+             "| loss tolerance |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (rel, layout), recs in groups.items():
+        strategies = sorted({r["strategy"] for r in recs})
+        tols = [r.get("loss_parity", {}).get("tolerance") for r in recs if r["micro_batches"] == 4]
+        tols = [t for t in tols if t is not None]
+        tol = f"{min(tols):.1e}-{max(tols):.1e}" if tols else "-"
+        lines.append(f"| {rel} | {layout} | {len(strategies)} | {agg(recs, 'before', 'fusion_off')} | "
+                     f"{agg(recs, 'before', 'autograd')} | {agg(recs, 'after', 'fusion_off')} | "
+                     f"{agg(recs, 'after', 'autograd')} | {agg(recs, 'off', 'autograd')} | "
+                     f"{loss(recs, 'before')} | {loss(recs, 'after')} | {tol} |")
+    failing = sorted({(r["config"], r["worst_param"]) for r in result["rows"] if not r["passed"]})
+    if failing:
+        lines += ["", "Failing comparisons' worst parameter: " +
+                  "; ".join(f"{c}: `{w}`" for c, w in failing) + "."]
+    lines += ["", f"Loss rule ({result['model']['steps']} steps, 4 micro-batches): {result['loss_rule']}. "
+              "fusion_off ran twice per layout and was bitwise identical (noise 0), so the untied models' "
+              "fused-vs-off difference is the tolerance's basis.", "",
+              "Step times: " + result["concurrency"] + "; they are in coverage.json (`median_step_ms`)."]
+    bad = [p for p in result["processes"] if p.get("rc") != 0]
+    if bad:
+        lines += ["", "## Processes that failed or did not run", ""]
+        lines += [f"- {p['name']}: rc={p.get('rc')} {p.get('skipped') or ''}" for p in bad]
+    return "\n".join(lines) + "\n"
+
+
+def compact(obj: Any, key: str = "") -> Any:
+    """coverage.json's form: floats to 4 significant digits (loss curves and loss differences
+    kept whole: they are compared at 1e-5), empty 'failed'/'problems' lists dropped."""
+    if isinstance(obj, float):
+        return obj if key in ("losses", "max_step_diff", "last_step_diff", "noise_max_step", "control_max_step",
+                              "tolerance", "step1_loss_autograd_vs_off") else float(f"{obj:.4g}")
+    if isinstance(obj, dict):
+        drop = {"failed", "problems"} if obj.get("passed") is not True else {"failed", "problems", "by_kind"}
+        return {k: compact(v, key if key == "losses" else k) for k, v in obj.items()
+                if not (k in drop and (v == [] or k == "by_kind"))}
+    if isinstance(obj, list):
+        return [compact(v, key) for v in obj]
+    return obj
+
+
+def dumps(result: dict[str, Any]) -> str:
+    """JSON with one line per top-level key and per element of a top-level list (records, rows,
+    processes): diffable, and a third of indent=1's size."""
+    parts = []
+    for k, v in result.items():
+        if isinstance(v, list) and v and isinstance(v[0], dict):
+            body = ",\n  ".join(json.dumps(x, separators=(",", ":")) for x in v)
+            parts.append(f"{json.dumps(k)}: [\n  {body}\n ]")
+        else:
+            parts.append(f"{json.dumps(k)}: {json.dumps(v)}")
+    return "{\n " + ",\n ".join(parts) + "\n}\n"
+
+
+def merge(paths: list[str]) -> dict[str, Any]:
+    """One result from several calls' coverage.json (each call is self-contained: its own oracles
+    and configurations; only whole records move)."""
+    merged: dict[str, Any] | None = None
+    records: dict[tuple, dict] = {}
+    rows: dict[tuple, dict] = {}
+    calls = []
+    for i, path in enumerate(paths):
+        res = json.loads(Path(path).read_text())
+        call = {k: res.get(k) for k in ("campaign_seconds", "gemm_patch_sha", "gemm_patch_roots", "tree_state",
+                                        "gpu", "model")}
+        call.update(call=i, source=str(path),
+                    layouts=sorted({r["layout"] for r in res["records"]}),
+                    releases=sorted({r["release"] for r in res["records"]}),
+                    processes=res["processes"])
+        calls.append(call)
+        for r in res["records"]:
+            records[(r["release"], r["layout"], r["strategy"], r["micro_batches"])] = {**r, "call": i}
+        for r in res["rows"]:
+            rows[(r["release"], r["layout"], r["strategy"], r["micro_batches"], r["config"], r["oracle"])] = {
+                **r, "call": i}
+        # Top-level fields (rules, shas) from the last file: the newest statement of the rules.
+        merged = {k: v for k, v in res.items() if k not in ("records", "rows", "processes")}
+    assert merged is not None
+    order = {name: i for i, name in enumerate(LAYOUTS)}
+    merged.update(
+        campaign_seconds=sum(c["campaign_seconds"] or 0 for c in calls),
+        calls=[{k: v for k, v in c.items() if k != "processes"} for c in calls],
+        processes=[{**p, "call": c["call"]} for c in calls for p in c["processes"]],
+        records=sorted(records.values(), key=lambda r: (r["release"], order.get(r["layout"], 99), r["strategy"],
+                                                        -r["micro_batches"])),
+        rows=sorted(rows.values(), key=lambda r: (r["release"], order.get(r["layout"], 99), r["strategy"],
+                                                  -r["micro_batches"], r["config"], r["oracle"])),
+    )
+    # A process listed by an earlier call whose records were all replaced is kept (its call says so).
+    return merged
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    t0 = time.time()
+    if args.merge:
+        result = merge(args.merge)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "coverage.json").write_text(dumps(compact(result)))
+        (out / "coverage.md").write_text(markdown(result))
+        print(f"merged {len(args.merge)} files: {len(result['records'])} records, {len(result['rows'])} rows")
+        return 0
+    scratch = Path(args.scratch)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for sub in ("plans", "parts", "logs", "dumps"):
+        (scratch / sub).mkdir(parents=True, exist_ok=True)
+    if not args.compare_only:
+        for f in list((scratch / "parts").glob("*.json")) + list((scratch / "dumps").rglob("*.pt")):
+            f.unlink()
+    procs = make_processes(args, scratch)
+    if args.dry:
+        for p in procs:
+            print(p["name"], "GPUs", p["gpus"], "PYTHONPATH=" + p["pythonpath"], " ".join(p["cmd"]))
+            print("   plan:", [r["name"] for r in p["plan"]])
+        return 0
+    if not args.compare_only:
+        run_processes(procs, args, t0)
+    else:
+        for p in procs:
+            p["rc"] = 0 if Path(p["out"]).exists() else None
+    result, details = assemble(procs, args, t0)
+    (out / "coverage.json").write_text(dumps(compact(result)))
+    (out / "coverage.md").write_text(markdown(result))
+    with gzip.open(out / "coverage_details.json.gz", "wt") as f:
+        json.dump(details, f)
+    with gzip.open(out / "coverage_logs.txt.gz", "wt") as f:
+        for p in procs:
+            f.write(f"==== {p['name']} rc={p.get('rc')} seconds={p.get('seconds')} ====\n")
+            try:
+                f.write(Path(p["log"]).read_text(errors="replace"))
+            except OSError:
+                f.write("(no log)\n")
+    # Short table last: the verdict per row.
+    print("\nrelease layout strategy M config | fusion_off max rel | autograd max rel | pass")
+    for rec in result["records"]:
+        for c in ("off", "before", "after"):
+            fo = (rec["oracles"].get("fusion_off") or {}).get(c)
+            au = (rec["oracles"].get("autograd") or {}).get(c)
+            if not fo and not au:
+                continue
+            f1 = f"{fo['max_rel_diff']:.2e}" if fo else "-"
+            f2 = f"{au['max_rel_diff']:.2e}" if au else "-"
+            ok = all(x["passed"] for x in (fo, au) if x)
+            worst = (fo or au)["worst_param"]
+            print(f"{rec['release']} {rec['layout']:<14} {rec['strategy']:<18} {rec['micro_batches']} {c:<7}| "
+                  f"{f1:>9} | {f2:>9} | {'PASS' if ok else 'FAIL'} {'' if ok else worst}")
+    for rec in result["records"]:
+        if rec["micro_batches"] == 4 and rec.get("loss_parity"):
+            lp = rec["loss_parity"]
+            def g(c, lp=lp):
+                x = (lp.get(c) or {}).get("max_step_diff")
+                return "-" if x is None else f"{x:.2e} {'PASS' if lp[c]['passed'] else 'FAIL'}"
+            def f(x):
+                return "-" if x is None else f"{x:.1e}"
+            print(f"loss {rec['release']} {rec['layout']:<16} {rec['strategy']:<18} "
+                  f"noise {f(lp.get('noise_max_step'))} control {f(lp.get('control_max_step'))} "
+                  f"tol {f(lp.get('tolerance'))} | before {g('before')} | "
+                  f"after {g('after')}")
+    failed = [p["name"] for p in result["processes"] if p.get("rc") != 0]
+    print(f"processes: {len(procs)}, failed/skipped: {failed}; {result['campaign_seconds']} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -153,8 +153,9 @@ def revert() -> Status:
                 _state.statuses[name] = TargetStatus(name, st.module, OFF, "reverted by gemm_patch.revert()",
                                                      st.version, st.fingerprint)
         for name, st in _state.statuses.items():
-            if st.state == PENDING:
-                _state.statuses[name] = TargetStatus(name, st.module, OFF, "reverted by gemm_patch.revert()")
+            if st.state != REPLACED:
+                _state.statuses[name] = TargetStatus(name, st.module, OFF, "reverted by gemm_patch.revert()",
+                                                     st.version, st.fingerprint)
         return status()
 
 

@@ -1,9 +1,11 @@
-"""Print the fingerprint of each target (call site, apex usage, Megatron-FSDP's
-overwrite_main_grad method) in the megatron-core (and megatron-fsdp) found on sys.path.
+"""Print the fingerprint of every registered target (``gemm_patch.targets.REGISTRY``) in the
+releases found on sys.path: one line per target whose module imports.
 
-    PYTHONPATH=/path/to/megatron-core python compat/fingerprint.py
+    PYTHONPATH=compat/.cache/mcore-0.17.1:. python compat/fingerprint.py
+    PYTHONPATH=compat/.cache/mfsdp-0.6.1:. python compat/fingerprint.py
 
-Paste the value into the target's ``fingerprints`` table in gemm_patch/targets.py.
+Each line is ready to paste into the target's ``fingerprints`` table (its module under
+gemm_patch/targets/); the comment says whether the value is already recorded for another release.
 """
 
 from __future__ import annotations
@@ -15,42 +17,31 @@ import sys
 os.environ["GEMM_PATCH"] = "0"  # look at the unpatched source
 
 from gemm_patch import detection  # noqa: E402
-from gemm_patch.apex_analysis import analyse as analyse_apex  # noqa: E402
-from gemm_patch.callsite import CallSiteError, analyse, analyse_statement  # noqa: E402
-from gemm_patch.targets import TARGETS, OverwriteFlagTarget  # noqa: E402
+from gemm_patch.callsite import CallSiteError  # noqa: E402
+from gemm_patch.targets import REGISTRY  # noqa: E402
+from gemm_patch.targets.base import public_version  # noqa: E402
 
 
 def main() -> int:
-    for target in TARGETS:
-        version = detection.distribution_version(target.distribution)
+    for target in REGISTRY:
+        version = public_version(detection.distribution_version(target.distribution))
         try:
             module = importlib.import_module(target.module)
         except ImportError as exc:
-            print(f"{target.name} {target.distribution} {version}: not importable ({exc})")
-            continue
-        if isinstance(target, OverwriteFlagTarget):
-            try:
-                found = analyse_statement(module, target.owner, target.attribute, target.statement)
-            except CallSiteError as exc:
-                print(f"{target.name} {version}: {exc}")
-                continue
-            if found is None:
-                print(f"{target.name} {version}: {target.module} has no {target.owner}.{target.attribute}")
-                continue
-            print(f'{target.name} "{version}": "{found.fingerprint}",  # {target.distribution}, '
-                  f'{len(found.matches)} `{target.statement}`')
-            continue
-        if hasattr(target, "extension"):
-            usage = analyse_apex(module, target.extension, target.flag, target.calls)
-            print(f'{target.name} "{version}": "{usage.fingerprint}",  # {len(usage.calls)} call(s), '
-                  f'{len(usage.checks)} check(s), guarded import {usage.guarded_import is not None}')
+            print(f"# {target.name}: {target.module} not importable ({exc})")
             continue
         try:
-            found = analyse(module, target.owner, target.attribute, target.call)
+            found = target.inspect(module)
         except CallSiteError as exc:
-            print(f"{target.name} {version}: {exc}")
+            print(f"# {target.name} {target.distribution} {version}: {exc}")
             continue
-        print(f'{target.name} "{version}": "{found.fingerprint}",  # {len(found.matches)} call site(s)')
+        twins = [v for v, fp in target.fingerprints.items() if fp == found.fingerprint and v != version]
+        recorded = target.fingerprints.get(version)
+        note = ("recorded" if recorded == found.fingerprint
+                else f"differs from the recorded {recorded}" if recorded
+                else f"= {', '.join(twins)}" if twins else "new")
+        applies = "" if found.applicable else f"; not applicable: {found.reason}"
+        print(f'{target.name} {target.distribution} "{version}": "{found.fingerprint}",  # {note}{applies}')
     return 0
 
 

@@ -14,11 +14,11 @@ PROBE = ROOT / "tests" / "probes" / "fsdp_probe.py"
 BIN = Path(sys.executable).parent
 
 # One release of compat/matrix.json with the call site (verified there): installed on first
-# use by compat/run.py, so a fresh clone needs nothing by hand.
+# use by compat/matrix.py, so a fresh clone needs nothing by hand.
 MEGATRON_RELEASE = "0.17.1"
 
 sys.path.insert(0, str(ROOT / "compat"))
-import run as matrix  # noqa: E402
+import matrix  # noqa: E402
 
 
 def gemm_patch_command() -> list[str]:

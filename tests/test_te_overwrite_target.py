@@ -234,41 +234,6 @@ def test_an_unknown_release_is_one_warning_line_for_all_targets(monkeypatch):
     assert "GEMM_PATCH_ALLOW_UNVERIFIED=1" in records[0].getMessage()
 
 
-def test_standalone_megatron_fsdp_when_installed():
-    """PyPI megatron-fsdp (``PYTHONPATH=<unpacked wheel>``): its own class, patched by the
-    post-import hook, keyed by megatron-fsdp's version."""
-    import gemm_patch
-
-    gemm_patch.apply()
-    module = pytest.importorskip("megatron_fsdp.megatron_fsdp")
-    version = detection.distribution_version("megatron-fsdp")
-    st = {t.name: t for t in gemm_patch.status().targets}["mfsdp-te-overwrite"]
-    assert st.version == version
-    assert st.state == MFSDP_TE_OVERWRITE.expected_state(version), st.reason
-    cls = module.MegatronFSDP
-    installed = vars(cls)[METHOD]
-    assert isinstance(installed, PatchedOverwriteFlag)
-    obj = object.__new__(cls)
-    persistent, fresh = param(False), param(True)
-    pipeline = types.SimpleNamespace(all_gather_params=lambda **kw: None, wait_bucket_ready=lambda *a: None)
-    vars(obj).update(data_parallel_sharding_strategy="optim_grads_params", all_gather_pipeline=pipeline,
-                     suggested_AG_prefetch_size=None, microbatch_count=0, model_auto_sync=False,
-                     dist_index=types.SimpleNamespace(use_hybrid_fsdp=False),
-                     ddp_config=types.SimpleNamespace(outer_dp_sharding_strategy="no_shard"),
-                     param_and_grad_buffer=types.SimpleNamespace(param_to_param_group={persistent: 0, fresh: 1}))
-    obj.all_gather_and_wait_parameters_ready([persistent, fresh])
-    assert (persistent.overwrite_main_grad, fresh.overwrite_main_grad) == (False, True)
-    gemm_patch.revert()
-    try:
-        assert vars(cls)[METHOD] is installed.__wrapped__
-        persistent.overwrite_main_grad = None
-        obj.all_gather_and_wait_parameters_ready([persistent])
-        assert persistent.overwrite_main_grad is True
-    finally:
-        gemm_patch.apply()
-    assert vars(cls)[METHOD] is not installed.__wrapped__
-
-
 def test_a_package_that_is_not_installed_is_not_findable():
     from gemm_patch import detection
 

@@ -1,8 +1,9 @@
-"""Runs under one megatron-core release at a time (compat/run.py puts it on PYTHONPATH and
-sets GEMM_PATCH_EXPECT to the target state compat/matrix.json expects for it)."""
+"""Runs under one megatron-core release at a time (compat/matrix.py puts it on PYTHONPATH and
+sets GEMM_PATCH_MATRIX_EXPECT to the state every target must read on it)."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -12,7 +13,28 @@ layers = pytest.importorskip("megatron.core.tensor_parallel.layers")
 
 import gemm_patch  # noqa: E402
 
-EXPECT = os.environ.get("GEMM_PATCH_EXPECT", "verified")
+
+def _expected_states() -> dict[str, str]:
+    """{target: state} for this release: from compat/matrix.py (GEMM_PATCH_MATRIX_EXPECT, JSON),
+    or, run by hand, by the same rule (each target's fingerprint table) for the megatron-core
+    on sys.path."""
+    if os.environ.get("GEMM_PATCH_MATRIX_EXPECT"):
+        return json.loads(os.environ["GEMM_PATCH_MATRIX_EXPECT"])
+    from gemm_patch import detection
+    from gemm_patch.targets import REGISTRY
+
+    version = detection.distribution_version("megatron-core")
+    return {t.name: t.expected_state(version) for t in REGISTRY if t.distribution == "megatron-core"}
+
+
+EXPECTED = _expected_states()
+
+
+def expected(target: str) -> str:
+    return EXPECTED[target]
+
+
+EXPECT = expected("fsdp-wgrad")
 APPLICABLE = EXPECT != "not applicable"
 DTYPE_ERROR = "Expected out tensor to have dtype"
 

@@ -1,6 +1,6 @@
 """The apex-wgrad target (gemm_patch's stand-in for apex's ``fused_weight_gradient_mlp_cuda``)
 against the real megatron-core release on PYTHONPATH, whose layers are built and trained through
-their own constructors and autograd functions (compat/run.py sets GEMM_PATCH_EXPECT_APEX)."""
+their own constructors and autograd functions (compat/matrix.py passes the expected state of each target)."""
 
 from __future__ import annotations
 
@@ -13,13 +13,13 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import layers, torch
+from conftest import expected, layers, torch
 from megatron_cpu import FUSION_MESSAGE, build, config, model_parallel, step, unknown_release
 
 import gemm_patch
 from gemm_patch.targets.apex_wgrad import STAND_IN, is_stand_in
 
-EXPECT_APEX = os.environ.get("GEMM_PATCH_EXPECT_APEX", "verified")
+EXPECT_APEX = expected("apex-wgrad")
 PROVIDED = EXPECT_APEX in ("verified", "compatible", "forced")
 EXT = "fused_weight_gradient_mlp_cuda"
 FLAG = "_grad_accum_fusion_available"

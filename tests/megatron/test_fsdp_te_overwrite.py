@@ -1,5 +1,5 @@
 """The fsdp-te-overwrite target against the real megatron-core release on PYTHONPATH
-(compat/run.py sets GEMM_PATCH_EXPECT_TE_OVERWRITE to the state compat/matrix.json expects).
+(compat/matrix.py passes the state each target's fingerprint table implies).
 
 Megatron-FSDP's ``MegatronFSDP.all_gather_and_wait_parameters_ready`` sets
 ``param.overwrite_main_grad = True`` on every parameter it unshards; Transformer Engine's linear
@@ -20,7 +20,7 @@ import sys
 import types
 
 import pytest
-from conftest import torch
+from conftest import expected, torch
 from megatron_cpu import unknown_release
 
 import gemm_patch
@@ -28,7 +28,7 @@ from gemm_patch import detection
 
 MODULE = "megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp"
 METHOD = "all_gather_and_wait_parameters_ready"
-EXPECT = os.environ.get("GEMM_PATCH_EXPECT_TE_OVERWRITE", "verified")
+EXPECT = expected("fsdp-te-overwrite")
 PATCHED = EXPECT in ("verified", "compatible", "forced")
 needs_patch = pytest.mark.skipif(not PATCHED, reason=f"fsdp-te-overwrite is {EXPECT} on this release")
 

@@ -1,7 +1,7 @@
 """A weight used more than once in one backward, with gradient-accumulation fusion on, under
 Megatron-FSDP's real post-backward hook (issue 13).
 
-Runs per megatron-core release (compat/run.py puts it on PYTHONPATH); where the standalone
+Runs per megatron-core release (compat/matrix.py puts it on PYTHONPATH); where the standalone
 megatron-fsdp package is importable too (PYTHONPATH=compat/.cache/mfsdp-X:...), its copy of
 MegatronFSDP is tested the same way.
 

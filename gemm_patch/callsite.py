@@ -197,10 +197,12 @@ def _decorate(function, decorators: list[ast.expr], module: types.ModuleType):
 
 
 def _refuse_unportable(funcdef: ast.FunctionDef) -> None:
-    # A method compiled outside its class body loses name mangling and the __class__ cell.
+    # A method compiled outside its class body loses name mangling and the __class__ cell (a bare
+    # ``super``/``__class__``); an attribute such as ``obj.__class__`` reads the same anywhere.
     for node in ast.walk(funcdef):
         name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
-        if name in ("super", "__class__") or (name.startswith("__") and not name.endswith("__")):
+        if (isinstance(node, ast.Name) and name in ("super", "__class__")) or \
+                (name.startswith("__") and not name.endswith("__")):
             raise CallSiteError(f"{funcdef.name} uses {name!r}, which cannot be recompiled outside its class")
 
 

@@ -28,8 +28,8 @@ class Config:
     allow_unverified: bool = False
     switches: Mapping[str, bool] = field(default_factory=dict)  # a target's variable -> on
 
-    def switch_on(self, variable: str) -> bool:
-        return self.switches.get(variable, True)
+    def switch_on(self, variable: str, default: bool = True) -> bool:
+        return self.switches.get(variable, default)
 
 
 def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
@@ -78,9 +78,11 @@ def enabled(env: Mapping[str, str] | None = None) -> bool:
         return True  # load() reports the bad value
 
 
-def load(env: Mapping[str, str] | None = None, switches: tuple[str, ...] = ()) -> Config:
-    """Read every GEMM_PATCH_* variable and each target switch in ``switches``; raise
-    ConfigError naming the first bad one. With ``GEMM_PATCH=0`` nothing else is read."""
+def load(env: Mapping[str, str] | None = None,
+         switches: tuple[str, ...] | Mapping[str, bool] = ()) -> Config:
+    """Read every GEMM_PATCH_* variable and each target switch in ``switches`` (names, or name
+    -> default for opt-in targets); raise ConfigError naming the first bad one. With
+    ``GEMM_PATCH=0`` nothing else is read."""
     env = os.environ if env is None else env
     if not _flag(env, "GEMM_PATCH", True):
         return Config(enabled=False)
@@ -91,5 +93,6 @@ def load(env: Mapping[str, str] | None = None, switches: tuple[str, ...] = ()) -
         backend=_choice(env, "GEMM_PATCH_BACKEND", BACKEND_CHOICES, "auto"),
         log_level=_choice(env, "GEMM_PATCH_LOG_LEVEL", LOG_LEVEL_CHOICES, "INFO", str.upper),
         allow_unverified=_flag(env, "GEMM_PATCH_ALLOW_UNVERIFIED", False),
-        switches={name: _flag(env, name, True) for name in dict.fromkeys(switches)},
+        switches={name: _flag(env, name, default) for name, default in
+                  (switches.items() if isinstance(switches, Mapping) else dict.fromkeys(switches, True).items())},
     )

@@ -65,8 +65,8 @@ _state = _State()
 _COMPONENTS = {t.module.split(".")[0]: t.distribution for t in REGISTRY}
 
 
-def _switches() -> tuple[str, ...]:
-    return tuple(t.switch_variable for t in REGISTRY)
+def _switches() -> dict[str, bool]:
+    return {t.switch_variable: t.default_on for t in REGISTRY}
 
 
 def _read_config(strict: bool | None) -> config.Config | None:

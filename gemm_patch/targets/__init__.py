@@ -11,6 +11,7 @@ from . import (
     fsdp_wgrad,
     fsdp_wgrad_gemm,
     moe_overwrite,
+    nemo_fsdp_gaf,
     shared_grad,
     te_overwrite,
     te_overwrite_by_strategy,
@@ -29,6 +30,7 @@ REGISTRY: tuple[Target, ...] = (
     fsdp_wgrad_gemm.TARGET,
     te_overwrite_by_strategy.TARGET,
     te_overwrite_by_strategy.STANDALONE,
+    nemo_fsdp_gaf.TARGET,  # opt-in: GEMM_PATCH_NEMO_FSDP_GAF=1
 )
 
 

@@ -139,6 +139,7 @@ class Target:
     module: str  # the module whose import triggers the patch
     fingerprints: Mapping[str, str]  # public release -> fingerprint of the code relied on
     switch: str = ""  # the variable that turns this target off; "" derives GEMM_PATCH_<NAME>
+    default_on: bool = True  # False: opt-in, the variable must be set to 1
     relies_on: str = "code"  # what the fingerprint covers, in reasons
 
     @property
@@ -178,8 +179,9 @@ class Target:
         def status(state: str, reason: str, fp: str | None = None) -> TargetStatus:
             return TargetStatus(self.name, self.module, state, reason, version, fp)
 
-        if not cfg.switch_on(self.switch_variable):
-            return status(OFF, f"{self.switch_variable}=0"), Undo()
+        if not cfg.switch_on(self.switch_variable, self.default_on):
+            return status(OFF, f"{self.switch_variable}=0" if self.default_on
+                          else f"opt-in: set {self.switch_variable}=1 to enable"), Undo()
         settled = self.precheck(module)
         if settled is not None:
             return status(*settled), Undo()

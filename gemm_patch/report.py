@@ -16,7 +16,7 @@ from typing import Any
 
 from . import detection
 from .targets.apex_wgrad import APEX_WORDS
-from .targets.base import APEX_REAL, OFF, PATCHED_STATES, SKIPPED, UNVERIFIED, TargetStatus
+from .targets.base import APEX_REAL, NOT_APPLICABLE, OFF, PATCHED_STATES, SKIPPED, UNVERIFIED, TargetStatus
 
 log = logging.getLogger("gemm_patch")
 PREFIX = "[gemm_patch] %(levelname)s: %(message)s"
@@ -127,4 +127,6 @@ class SummaryLog:
             level = logging.DEBUG
         tail = f"; {backends}" if self.lines == 0 and backends else ""
         self.lines += 1
-        emit(level, f"{component} {version}: {', '.join(_part(st) for st in new)}{tail}")
+        # Targets for other releases' code (not applicable) are in status(), not in the line.
+        shown = [st for st in new if st.state != NOT_APPLICABLE] or new
+        emit(level, f"{component} {version}: {', '.join(_part(st) for st in shown)}{tail}")

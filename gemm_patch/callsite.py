@@ -237,34 +237,17 @@ def build_twin(analysed: AnalysedFunction, qualname: str, redirects: list[Redire
     """The decorated twin of the analysed function with each redirect's calls sent to its
     function; returns what the class body's ``def`` would have bound (for a ``@staticmethod``
     that is the staticmethod object)."""
-    funcdef = copy.deepcopy(analysed.funcdef)
-    _refuse_unportable(funcdef)
-    funcdef = _RedirectCalls(redirects).visit(funcdef)
-    decorators, funcdef.decorator_list = funcdef.decorator_list, []
-
-    names = ", ".join(r.name for r in redirects)
-    factory = ast.parse(f"def {FACTORY}({names}):\n    pass\n").body[0]
-    factory.body = [funcdef, ast.Return(value=ast.Name(id=funcdef.name, ctx=ast.Load()))]
-    tree = ast.fix_missing_locations(ast.Module(body=[factory], type_ignores=[]))
-
-    module = analysed.module
-    code = compile(tree, _filename(module), "exec", flags=_future_flags(module), dont_inherit=True)
-    namespace: dict = {}
-    # Globals are the module's own dict (live lookups of torch, HAVE_TE, ...); the factory
-    # lands in ``namespace``, so the module gains no name.
-    exec(code, module.__dict__, namespace)
-    function = namespace[FACTORY](*(r.function for r in redirects))
-    function.__qualname__ = qualname
-    return _decorate(function, decorators, module)
+    return build_edited_twin(analysed, qualname, _RedirectCalls(redirects).visit,
+                             {r.name: r.function for r in redirects})
 
 
 def build_edited_twin(analysed: AnalysedFunction, qualname: str,
-                      edit: Callable[[ast.FunctionDef], None], cells: dict[str, Callable]):
-    """Like ``build_twin``, for an edit that is not a call redirect: ``edit`` changes a deep
-    copy of the analysed FunctionDef in place (e.g. one statement of a nested function), and
-    the names its new code calls are the closure variables ``cells`` (name -> object), so the
-    module gains no name. Compiled against the module's own globals, file name and line
-    numbers, like ``build_twin``; returns what the class body's ``def`` would have bound."""
+                      edit: Callable[[ast.FunctionDef], object], cells: dict[str, Callable]):
+    """The twin of the analysed function after ``edit`` has changed a deep copy of its
+    FunctionDef in place (a call redirect, one statement of a nested function, ...). The names
+    the new code calls are the closure variables ``cells`` (name -> object), so the module gains
+    no name. Compiled against the module's own globals, file name and line numbers; returns what
+    the class body's ``def`` would have bound."""
     funcdef = copy.deepcopy(analysed.funcdef)
     _refuse_unportable(funcdef)
     edit(funcdef)
@@ -277,6 +260,8 @@ def build_edited_twin(analysed: AnalysedFunction, qualname: str,
     module = analysed.module
     code = compile(tree, _filename(module), "exec", flags=_future_flags(module), dont_inherit=True)
     namespace: dict = {}
+    # Globals are the module's own dict (live lookups of torch, HAVE_TE, ...); the factory
+    # lands in ``namespace``, so the module gains no name.
     exec(code, module.__dict__, namespace)
     function = namespace[FACTORY](*cells.values())
     function.__qualname__ = qualname

@@ -25,40 +25,24 @@ import types
 from dataclasses import dataclass
 from typing import Any
 
-import wrapt
-
 from .base import Inspection, Undo
-from .fsdp_wgrad import main_grad_is_persistent
-from .te_overwrite import OverwriteFlagTarget
+from .te_overwrite import OverwriteFlagTarget, PatchedOverwriteFlag
 
 STATEMENT = "param.overwrite_main_grad = True"
 # Megatron-LM main (0.20.0, unreleased), pinned; its _ensure_main_grad is 0.19's.
 MAIN_COMMIT = "d98e8a64ddf34856e74b24714e3bedb2f5a39553"
 
 
-class PatchedExpertFlag(wrapt.FunctionWrapper):
-    """A wrapt FunctionWrapper around the original static method (``__wrapped__`` is the
-    ``staticmethod`` object); ``resets`` counts the flags it has reset."""
+class PatchedExpertFlag(PatchedOverwriteFlag):
+    """``PatchedOverwriteFlag`` for the static method taking the expert linear module
+    (``__wrapped__`` is the ``staticmethod`` object)."""
 
-    def __init__(self, original: Any) -> None:
-        super().__init__(original, self._reset_after)
-        self._self_resets = 0
-
-    @property
-    def resets(self) -> int:
-        return self._self_resets
-
-    def _reset_after(self, wrapped, instance, args, kwargs):
-        result = wrapped(*args, **kwargs)
+    def _params(self, args: tuple, kwargs: dict) -> tuple[Any, tuple, dict]:
         linear = args[0] if args else kwargs.get("linear_module")
         # The original sets nothing where fusion is off; neither does the reset.
         if linear is None or not getattr(linear, "fuse_wgrad_accumulation", False):
-            return result
-        for param in linear.parameters(recurse=False):
-            if getattr(param, "overwrite_main_grad", False) and main_grad_is_persistent(param):
-                param.overwrite_main_grad = False
-                self._self_resets += 1
-        return result
+            return (), args, kwargs
+        return list(linear.parameters(recurse=False)), args, kwargs
 
 
 @dataclass(frozen=True, kw_only=True)

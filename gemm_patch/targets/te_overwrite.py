@@ -51,8 +51,12 @@ class PatchedOverwriteFlag(wrapt.FunctionWrapper):
     def resets(self) -> int:
         return self._self_resets
 
+    def _params(self, args: tuple, kwargs: dict) -> tuple[Any, tuple, dict]:
+        """The parameters whose flag the call may set, and the arguments to call it with."""
+        return _params_argument(args, kwargs)
+
     def _reset_after(self, wrapped, instance, args, kwargs):
-        params, args, kwargs = _params_argument(args, kwargs)
+        params, args, kwargs = self._params(args, kwargs)
         result = wrapped(*args, **kwargs)
         for param in params:
             if getattr(param, "overwrite_main_grad", False) and main_grad_is_persistent(param):

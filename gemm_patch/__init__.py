@@ -32,7 +32,9 @@ def _auto_apply() -> None:
     from . import config
 
     if config.enabled():  # GEMM_PATCH=0 beats every other variable, bad values included
-        apply()
+        from .patcher import apply_quietly
+
+        apply_quietly()
 
 
 if not _imported_by_own_command():

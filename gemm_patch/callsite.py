@@ -16,7 +16,6 @@ import __future__
 
 import ast
 import copy
-import hashlib
 import inspect
 import types
 from collections.abc import Callable
@@ -61,6 +60,8 @@ def canonical_dump(node: object) -> str:
 def fingerprint(*nodes: ast.AST | None) -> str:
     """A digest of AST nodes: stable across formatting, comments and Python versions (3.10+),
     changed by any edit to code or decorators."""
+    import hashlib  # only when a module is judged, not at ``import gemm_patch``
+
     dump = "\n".join(canonical_dump(node) for node in nodes if node is not None)
     return hashlib.sha256(dump.encode()).hexdigest()[:16]
 

@@ -89,16 +89,23 @@ def apply(strict: bool | None = None) -> Status:
 
     ``strict`` overrides ``GEMM_PATCH_STRICT``. Calling it again is a no-op for what is still
     in place. Under ``GEMM_PATCH=0`` it applies nothing and the status says why."""
+    apply_quietly(strict)
+    return status()
+
+
+def apply_quietly(strict: bool | None = None) -> None:
+    """``apply()`` without building the status (which reads installed versions from metadata,
+    milliseconds that ``import gemm_patch`` need not spend)."""
     if not config.enabled():
         with _lock:
             _state.disabled = "GEMM_PATCH=0: nothing is applied, through any entry point"
-        return status()
+        return
     _wait_for_half_imported_modules()
     with _lock:
         _state.disabled = None
         cfg = _read_config(strict)
         if cfg is None:
-            return status()
+            return
         configure_logging(cfg.log_level)
         _state.cfg = cfg
         for target in REGISTRY:
@@ -112,7 +119,6 @@ def apply(strict: bool | None = None) -> Status:
             module = sys.modules.get(name)
             if module is not None and not imports.still_importing(module):
                 _patch_module(module, reexecuted=False)
-        return status()
 
 
 def _wait_for_half_imported_modules() -> None:

@@ -54,7 +54,7 @@ def is_stand_in(obj: object) -> bool:
     return isinstance(obj, types.ModuleType) and getattr(obj, _MARKER, False) is True
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False)
 class ApexWgradTarget(Target):
     extension: str
     flag: str

@@ -132,7 +132,7 @@ def public_version(version: str | None) -> str:
         return version
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False)
 class Target:
     name: str
     distribution: str  # whose version keys ``fingerprints``
@@ -221,7 +221,7 @@ class Target:
         return UNVERIFIED, f"{reason}; left alone ({ALLOW_UNVERIFIED}=1 patches it)"
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False)
 class MethodTarget(Target):
     """A target that replaces one method, ``owner.attribute`` of its module, with a wrapt
     ``FunctionWrapper`` (``__wrapped__`` is megatron's function), marked with the target name."""

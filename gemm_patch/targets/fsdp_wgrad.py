@@ -33,7 +33,9 @@ def main_grad_is_persistent(param: Any) -> bool:
     (``no_shard``/``optim``, or any strategy on one data-parallel rank). Without ``_gbuf`` it is
     not Megatron-FSDP's buffer: the overwrite of the replaced call stands.
     """
-    gbuf = getattr(param, "_gbuf", None)
+    # Instance attributes, read from __dict__: a tensor's getattr of a missing name raises
+    # internally, which costs about a microsecond per call on this path.
+    gbuf = getattr(param, "__dict__", {}).get("_gbuf")
     return gbuf is not None and not getattr(gbuf, "is_data_distributed", True)
 
 
@@ -43,14 +45,24 @@ def wgrad_accumulates(param: Any) -> bool:
     a weight used twice in one backward, a tied output layer under MTP, is written twice)."""
     if param is None:
         return False
-    return main_grad_is_persistent(param) or bool(getattr(param, "grad_added_to_main_grad", False))
+    return main_grad_is_persistent(param) or bool(getattr(param, "__dict__", {}).get("grad_added_to_main_grad"))
+
+
+_active_dispatcher = None  # dispatcher.active_dispatcher, bound on the first call (it imports torch)
+
+
+def _dispatcher() -> Any:
+    global _active_dispatcher
+    if _active_dispatcher is None:
+        from ..dispatcher import active_dispatcher
+
+        _active_dispatcher = active_dispatcher
+    return _active_dispatcher()
 
 
 def fsdp_wgrad(a: Any, b: Any, *, out: Any, param: Any = None) -> Any:
     """Stands in for ``torch.matmul(grad_output.t(), total_input, out=weight.main_grad)``."""
-    from ..dispatcher import active_dispatcher
-
-    active_dispatcher().gemm(a, b, out, accumulate=wgrad_accumulates(param))
+    _dispatcher().gemm(a, b, out, accumulate=wgrad_accumulates(param))
     return out
 
 
@@ -59,9 +71,7 @@ def fsdp_wgrad_te(total_input: Any, grad_output: Any, *, out: Any, param: Any = 
     path (reached only where megatron found TE). Where it may overwrite, that very call runs,
     unchanged; where it must add, the product is added through the dispatcher instead."""
     if wgrad_accumulates(param):
-        from ..dispatcher import active_dispatcher
-
-        active_dispatcher().gemm(grad_output.t(), total_input, out, accumulate=True)
+        _dispatcher().gemm(grad_output.t(), total_input, out, accumulate=True)
         return
     from megatron.core.extensions.transformer_engine import te_general_gemm
 
@@ -86,7 +96,7 @@ class PatchedCallSite(wrapt.FunctionWrapper):
         self._self_gemm_patch_twin = twin
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False)
 class CallSiteTarget(MethodTarget):
     """Send ``call`` (and each of ``also``, where present) inside ``owner.attribute`` to a
     replacement, in a twin of the method compiled from its own source."""

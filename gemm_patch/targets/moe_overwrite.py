@@ -45,7 +45,7 @@ class PatchedExpertFlag(PatchedOverwriteFlag):
         return list(linear.parameters(recurse=False)), args, kwargs
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False)
 class ExpertFlagTarget(OverwriteFlagTarget):
     """``OverwriteFlagTarget``'s inspection (the statement in the method, the live object is
     the file's), with a wrapper for a static method taking the linear module."""

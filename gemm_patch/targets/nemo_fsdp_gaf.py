@@ -138,7 +138,7 @@ class PatchedInitDdp(wrapt.FunctionWrapper):
         return self._self_gemm_patch_twin(instance, *args, **kwargs)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False)
 class NemoFusionTarget(MethodTarget):
     def inspect(self, module: types.ModuleType) -> Inspection:
         funcdef = parse_method(module, self.owner, self.attribute)

@@ -106,7 +106,7 @@ class PatchedHookRegistration(wrapt.FunctionWrapper):
         self._self_gemm_patch_twin = twin
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False)
 class SharedGradTarget(MethodTarget):
     def inspect(self, module: types.ModuleType) -> Inspection:
         funcdef = parse_method(module, self.owner, self.attribute)

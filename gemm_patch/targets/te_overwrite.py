@@ -65,7 +65,7 @@ class PatchedOverwriteFlag(wrapt.FunctionWrapper):
         return result
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False)
 class OverwriteFlagTarget(MethodTarget):
     statement: str = STATEMENT
 

@@ -17,11 +17,16 @@ import inspect
 import os
 import subprocess
 import sys
-import types
 
 import pytest
-from conftest import expected, torch
+from conftest import expected
 from megatron_cpu import unknown_release
+
+# The CPU stand-ins for Megatron-FSDP's instance and parameters, shared with the standalone
+# package's tests (appended, so this folder's conftest stays the one imported).
+sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "megatron_fsdp"))
+import unshard as fsdp_cpu  # noqa: E402
+from unshard import fsdp_param  # noqa: E402
 
 import gemm_patch
 from gemm_patch import detection
@@ -56,44 +61,9 @@ def unpatched():
     gemm_patch.apply()
 
 
-class AllGatherPipeline:
-    """Records what the method asks of the all-gather pipeline (CPU: nothing to gather)."""
-
-    def __init__(self):
-        self.gathered, self.waited = [], []
-
-    def all_gather_params(self, params, **kwargs):
-        self.gathered.append(list(params))
-
-    def wait_bucket_ready(self, bucket_id, *args):
-        self.waited.append(bucket_id)
-
-
 def megatron_fsdp(strategy: str = "optim_grads_params", params=()):
-    """A MegatronFSDP without __init__, holding only what all_gather_and_wait_parameters_ready
-    reads."""
-    obj = object.__new__(MegatronFSDP)
-    vars(obj).update(
-        data_parallel_sharding_strategy=strategy,
-        all_gather_pipeline=AllGatherPipeline(),
-        suggested_AG_prefetch_size=None,
-        dist_index=types.SimpleNamespace(use_hybrid_fsdp=False),
-        ddp_config=types.SimpleNamespace(outer_dp_sharding_strategy="no_shard"),
-        microbatch_count=0,
-        model_auto_sync=False,
-        param_and_grad_buffer=types.SimpleNamespace(param_to_param_group={p: i for i, p in enumerate(params)}),
-    )
-    return obj
-
-
-def fsdp_param(distributed: bool | None):
-    """A parameter as Megatron-FSDP leaves it: ``_gbuf`` is its gradient buffer, whose
-    ``is_data_distributed`` says whether main_grad is a fresh bucket (True: sharded gradients on
-    several data-parallel ranks) or the persistent buffer (False). None: no ``_gbuf`` at all."""
-    param = torch.nn.Parameter(torch.zeros(4, 4))
-    if distributed is not None:
-        param._gbuf = types.SimpleNamespace(is_data_distributed=distributed)
-    return param
+    """This release's MegatronFSDP without __init__ (tests/megatron_fsdp/unshard.py)."""
+    return fsdp_cpu.megatron_fsdp(MegatronFSDP, strategy, params)
 
 
 def unshard(obj, params, **kwargs):

@@ -1,0 +1,382 @@
+#!/usr/bin/env python
+"""Megatron-Bridge on Megatron-FSDP, unpatched and under ``gemm-patch run``, on one 2-GPU machine:
+one Bridge/megatron-core pairing per call, every result in one JSON (issue 11).
+
+    python3 examples/bridge/run_bridge.py --tests .bw62/bt --test-path \\
+        tests/functional_tests/test_groups/megatron_fsdp --out $OUT/bridge_0.6.2.json --budget 480
+
+The environment (TE, megatron-core, Bridge and its import set on PYTHONPATH) is the caller's: see
+examples/bridge/README.md. Jobs, each ``torchrun --nproc_per_node 2`` on its own port:
+
+- wave 1, all at once (the GPUs are shared; step times of this wave are marked ``concurrent``):
+  ``unpatched`` (fusion at Bridge's default, step-1 gradient dump), ``patched`` (the same under
+  ``python -m gemm_patch run``), ``off`` and ``off_repeat`` (fusion off, unpatched: the reference and
+  its run-to-run noise), and Bridge's own Megatron-FSDP functional tests unpatched and patched
+  (copied to /tmp, fusion switched on, fp32 main grads where megatron-core has the field);
+- wave 2, alone, when at least 110 s are left: ``patched_timing`` (no dump), for ``median_step_ms``.
+
+Gradient parity: per parameter rel = ||g - g_off|| / ||g_off|| (examples/compare_grads.py), pass
+when rel <= max(2^-7, 3 x rel(off_repeat, off)), the bound of examples/run_coverage.py. Every job
+has a timeout inside --budget; the JSON is rewritten after each stage, so a cut-off run leaves
+what it had. Logs go to /tmp/br/*.log and, compressed, next to the JSON (--logs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+sys.path.insert(0, str(HERE.parent))
+WORK = Path("/tmp/br")
+NOISE_FACTOR, BOUND = 3.0, 2.0 ** -7
+T0 = time.monotonic()
+
+
+def left(budget: float) -> float:
+    return budget - (time.monotonic() - T0)
+
+
+def base_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)  # Bridge asserts != 1 for Megatron-FSDP
+    env.update({
+        "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
+        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+        "WANDB_MODE": "disabled", "WANDB_DISABLED": "true", "PYTHONUNBUFFERED": "1",
+        "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "4",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+    })
+    return env
+
+
+def fix_compile_helpers(env: dict[str, str], notes: list[str]) -> None:
+    """Bridge's initialize calls megatron-core's compile_helpers() (``make -C megatron/core/datasets``)
+    and sys.exit(1)s when it fails; the wheels ship the prebuilt helpers_cpp .so but no Makefile."""
+    code = "import os, megatron.core.datasets as d; print(os.path.dirname(d.__file__))"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    ddir = Path(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 and r.stdout.strip() else None
+    if ddir is None:
+        notes.append(f"megatron.core.datasets did not import: {r.stderr[-500:]}")
+        return
+    so = sorted(p.name for p in ddir.glob("helpers_cpp*.so"))
+    if not (ddir / "Makefile").exists():
+        (ddir / "Makefile").write_text("# gemm-patch examples/bridge: helpers_cpp ships prebuilt\nall:\n\t@true\n")
+        notes.append(f"wrote a no-op Makefile in {ddir} (prebuilt: {so})")
+    if shutil.which("make", path=env.get("PATH")) is None:
+        shim = Path("/tmp/br/shim")
+        shim.mkdir(parents=True, exist_ok=True)
+        (shim / "make").write_text("#!/bin/sh\nexit 0\n")
+        (shim / "make").chmod(0o755)
+        env["PATH"] = f"{shim}:{env.get('PATH', '')}"
+        notes.append("no make on PATH: a shim that exits 0 (helpers_cpp is prebuilt)")
+
+
+def prepare_tests(src: Path, test_path: str, notes: list[str]) -> Path:
+    """Copy Bridge's tests to /tmp/br/bt and turn fusion on (+ fp32 main grads on 0.19+)."""
+    dst = WORK / "bt"
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(src, dst)
+    files = [dst / test_path] if (dst / test_path).is_file() else sorted((dst / test_path).rglob("test_*.py"))
+    for f in files:
+        s = f.read_text()
+        n_fusion = s.count("gradient_accumulation_fusion: bool = False")
+        s = s.replace("gradient_accumulation_fusion: bool = False", "gradient_accumulation_fusion: bool = True")
+        m = re.search(r"def create_base_ddp_config\(.*?\n(\s+)base_config\.update\(kwargs\)", s, re.S)
+        if m:
+            ind = m.group(1).strip("\n")
+            field = "'megatron_fsdp_main_grads_dtype'"
+            ins = (f"{ind}if {field} in DistributedDataParallelConfig.__dataclass_fields__:  # gemm-patch\n"
+                   f"{ind}    base_config[{field}] = torch.float32\n")
+            s = s[: m.start(1)] + "\n" + ins + s[m.start(1):].lstrip("\n")
+        f.write_text(s)
+        notes.append(f"{f.relative_to(dst)}: fusion default False->True x{n_fusion}; "
+                     f"fp32 main grads in create_base_ddp_config: {'yes' if m else 'not found'}")
+    return dst
+
+
+class Job:
+    def __init__(self, name: str, cmd: list[str], cwd: Path, env: dict[str, str], port: int):
+        self.name, self.cmd, self.cwd, self.env = name, cmd, cwd, dict(env)
+        self.env["MASTER_PORT"] = str(port)
+        self.log = WORK / f"{name}.log"
+        self.proc: subprocess.Popen | None = None
+        self.rc: int | None = None
+        self.timed_out = False
+        self.t = 0.0
+        self.wall = None
+
+    def start(self) -> None:
+        self.t = time.monotonic()
+        self.proc = subprocess.Popen(self.cmd, cwd=self.cwd, env=self.env, stdout=open(self.log, "w"),
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    def poll(self, deadline: float) -> bool:
+        """True once finished (killed at the deadline: its whole process group)."""
+        if self.rc is not None:
+            return True
+        rc = self.proc.poll()
+        if rc is None and time.monotonic() < deadline:
+            return False
+        if rc is None:
+            self.timed_out = True
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                try:
+                    os.killpg(self.proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    self.proc.wait(timeout=10)
+                    break
+                except subprocess.TimeoutExpired:
+                    pass
+            rc = self.proc.poll()
+        self.rc, self.wall = rc, round(time.monotonic() - self.t, 1)
+        return True
+
+    def summary(self) -> dict:
+        return {"rc": self.rc, "timed_out": self.timed_out, "wall_s": self.wall, "cmd": " ".join(self.cmd)}
+
+
+def run_all(jobs: list[Job], deadline: float) -> None:
+    for j in jobs:
+        j.start()
+        time.sleep(1)
+    while not all(j.poll(deadline) for j in jobs):
+        time.sleep(2)
+
+
+def torchrun(port: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1",
+            "--master_addr", "127.0.0.1", "--master_port", str(port)]
+
+
+PATCH = [sys.executable, "-m", "gemm_patch", "run", "--"]
+
+
+def read_run(name: str) -> dict:
+    d = WORK / name
+    for f in [d / "result.json", *sorted(d.glob("result.rank*.json"))]:
+        if f.exists():
+            return json.loads(f.read_text())
+    log = WORK / f"{name}.log"
+    tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
+    return {"ok": False, "error": "no result file (killed or crashed before writing)", "log_tail": tail}
+
+
+def first_error(log: Path) -> str | None:
+    if not log.exists():
+        return None
+    text = log.read_text(errors="replace")
+    hits = re.findall(r"^(?:\[rank\d+\]: )?((?:[A-Za-z_.]*Error|AssertionError|Exception)[^\n]{0,400})$", text, re.M)
+    return hits[0] if hits else None
+
+
+def grad_parity(got: str, ref: str, rep: str | None) -> dict:
+    import torch
+    from compare_grads import param_kind, relative
+
+    def load(p):
+        return torch.load(p, map_location="cpu", weights_only=False)["grads"]
+
+    g, r = load(WORK / got / "grads.pt"), load(WORK / ref / "grads.pt")
+    n = load(WORK / rep / "grads.pt") if rep and (WORK / rep / "grads.pt").exists() else None
+    rows = []
+    for name in sorted(r):
+        if name not in g:
+            rows.append({"name": name, "missing": True, "rel": float("inf"), "bound": BOUND})
+            continue
+        rel, ratio = relative(g[name], r[name])
+        noise = relative(n[name], r[name])[0] if n is not None and name in n else None
+        bound = max(BOUND, NOISE_FACTOR * noise) if noise is not None else BOUND
+        rows.append({"name": name, "kind": param_kind(name), "rel": rel, "ratio": ratio, "noise_rel": noise,
+                     "bound": bound, "pass": rel <= bound})
+    by_kind: dict = {}
+    for x in rows:
+        k = by_kind.setdefault(x.get("kind", "missing"), {"params": 0, "max_rel": 0.0, "failed": 0})
+        k["params"] += 1
+        k["max_rel"] = max(k["max_rel"], x["rel"])
+        k["failed"] += 0 if x.get("pass") else 1
+    worst = sorted(rows, key=lambda x: x["rel"] / x["bound"], reverse=True)[:8]
+    return {"params": len(rows), "max_rel_diff": max((x["rel"] for x in rows), default=None),
+            "passed": bool(rows) and all(x.get("pass") for x in rows), "failed": sum(not x.get("pass") for x in rows),
+            "bound": f"max(2^-7, {NOISE_FACTOR:g} x rel(off_repeat, off))",
+            "noise_max_rel": max((x["noise_rel"] or 0.0 for x in rows if "noise_rel" in x), default=None),
+            "extra_in_got": sorted(set(g) - set(r)), "by_kind": by_kind, "worst": worst}
+
+
+def read_tests(name: str) -> dict:
+    out: dict = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0, "tests": {}}
+    xml = WORK / f"{name}.junit.rank0.xml"
+    if xml.exists():
+        try:
+            for tc in ET.parse(xml).getroot().iter("testcase"):
+                kind = "passed"
+                for child in tc:
+                    if child.tag in ("failure", "error", "skipped"):
+                        kind = {"failure": "failed", "error": "errors", "skipped": "skipped"}[child.tag]
+                        out.setdefault("messages", {})[tc.get("name")] = (child.get("message") or "")[:600]
+                out[kind] += 1
+                out["tests"][tc.get("name")] = kind
+            out["source"] = "junit rank 0"
+            return out
+        except ET.ParseError as e:
+            out["junit_error"] = str(e)
+    log = WORK / f"{name}.log"
+    text = log.read_text(errors="replace") if log.exists() else ""
+    for test, outcome in re.findall(r"::(test_\w+) (PASSED|FAILED|SKIPPED|ERROR)", text):
+        if test not in out["tests"]:
+            key = {"PASSED": "passed", "FAILED": "failed", "SKIPPED": "skipped", "ERROR": "errors"}[outcome]
+            out["tests"][test] = key
+            out[key] += 1
+    out["source"] = "log (no junit: killed or crashed)"
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True, help="result JSON path (under $OUT)")
+    p.add_argument("--logs", help="tar.gz of /tmp/br logs (under $OUT)")
+    p.add_argument("--tests", help="folder holding Bridge's tests/ tree at the matching tag")
+    p.add_argument("--test-path", default="tests/functional_tests/test_groups/megatron_fsdp")
+    p.add_argument("--budget", type=float, default=480, help="seconds for everything this script does")
+    p.add_argument("--iters", type=int, default=12)
+    p.add_argument("--skip", default="", help="comma list of jobs to leave out (e.g. tests_unpatched)")
+    a = p.parse_args()
+    shutil.rmtree(WORK, ignore_errors=True)
+    WORK.mkdir(parents=True)
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    res: dict = {"notes": [], "jobs": {}}
+
+    def save() -> None:
+        res["elapsed_s"] = round(time.monotonic() - T0, 1)
+        out.write_text(json.dumps(res, indent=1, default=str))
+        if a.logs:
+            with tarfile.open(a.logs, "w:gz") as t:
+                for f in sorted(WORK.glob("*.log")) + sorted(WORK.glob("*/result*.json")) + sorted(WORK.glob("*.xml")):
+                    t.add(f, arcname=str(f.relative_to(WORK)))
+
+    try:
+        env = base_env()
+        code = ("import importlib.metadata as m, torch, megatron.core as c, megatron.bridge as b,"
+                " transformer_engine as t;"
+                "print(getattr(b, '__version__', None) or m.version('megatron-bridge'), c.__version__,"
+                " t.__version__, torch.__version__, torch.cuda.device_count(), m.version('transformers'))")
+        v = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
+        if v.returncode != 0:
+            res["unpatched_outcome"] = f"environment does not import: {v.stderr[-1500:]}"
+            save()
+            return 1
+        bv, mc, te, tv, ngpu, tf = v.stdout.split()[-6:]
+        res.update({"bridge_version": bv, "megatron_core": mc, "transformer_engine": te, "torch": tv,
+                    "gpus": int(ngpu), "transformers": tf})
+        fix_compile_helpers(env, res["notes"])
+        skip = set(filter(None, a.skip.split(",")))
+        w = [sys.executable, str(HERE / "bridge_pretrain.py"), "--iters", str(a.iters)]
+        jobs = [
+            Job("unpatched", [*torchrun(29501), *w, "--out", str(WORK / "unpatched"), "--dump"], ROOT, env, 29501),
+            Job("patched", [*PATCH, *torchrun(29502), *w, "--out", str(WORK / "patched"), "--dump"], ROOT, env, 29502),
+            Job("off", [*torchrun(29503), *w, "--out", str(WORK / "off"), "--dump", "--fusion", "off"],
+                ROOT, env, 29503),
+            Job("off_repeat", [*torchrun(29504), *w, "--out", str(WORK / "off_repeat"), "--dump", "--fusion", "off"],
+                ROOT, env, 29504),
+        ]
+        if a.tests:
+            bt = prepare_tests(Path(a.tests).resolve(), a.test_path, res["notes"])
+            res["bridge_tests_source"] = f"Megatron-Bridge {a.test_path} (copied from {a.tests}), fusion on"
+            pyt = [str(HERE / "pytest_rank.py")]
+            args = ["-v", "-s", "-rA", "-p", "no:cacheprovider", "-m", "not pleasefixme", "--tb=short", a.test_path]
+            for i, (name, pre) in enumerate((("tests_unpatched", []), ("tests_patched", PATCH))):
+                jobs.append(Job(name, [*pre, *torchrun(29511 + i), *pyt, str(WORK / name) + ".junit", *args],
+                                bt, env, 29511 + i))
+        jobs = [j for j in jobs if j.name not in skip]
+        res["jobs"] = {j.name: {"cmd": " ".join(j.cmd)} for j in jobs}
+        save()
+        run_all(jobs, T0 + a.budget - 45)
+        res["jobs"] = {j.name: j.summary() for j in jobs}
+
+        runs = {n: read_run(n) for n in ("unpatched", "patched", "off", "off_repeat") if n not in skip}
+        for n, r in runs.items():
+            res[n] = {
+                "ok": r.get("ok"), "error": r.get("error"), "losses": r.get("losses"),
+                "median_step_ms_concurrent": r.get("median_step_ms"),
+                "fusion_in_model": r.get("gradient_accumulation_fusion_in_model"),
+                "steps": len(r.get("steps", [])), "import_s": r.get("import_s"), "wall_s": r.get("wall_s"),
+                **({"traceback_tail": r.get("traceback", "")[-2500:]} if not r.get("ok") else {}),
+                **({"gemm_patch_status": r.get("gemm_patch_status")} if r.get("gemm_patch_status") else {}),
+                **({"log_tail": r["log_tail"]} if "log_tail" in r else {}),
+            }
+        plog = WORK / "patched.log"
+        if plog.exists():
+            res.setdefault("patched", {})["gemm_patch_lines"] = sorted(
+                set(re.findall(r"\[gemm_patch\] [A-Z]+:[^\n]{0,300}", plog.read_text(errors="replace"))))[:12]
+        save()
+
+        for n in ("unpatched", "patched"):
+            if runs.get(n, {}).get("ok") and runs.get("off", {}).get("ok"):
+                try:
+                    gp = grad_parity(n, "off", "off_repeat" if runs.get("off_repeat", {}).get("ok") else None)
+                    if n == "patched":
+                        res["grad_parity"] = gp
+                    else:
+                        res["unpatched"]["grad_parity"] = gp
+                except Exception as e:  # noqa: BLE001
+                    res["notes"].append(f"grad parity {n}: {type(e).__name__}: {e}")
+            lo, lx = (runs.get("off") or {}).get("losses"), (runs.get(n) or {}).get("losses")
+            if lo and lx and len(lo) == len(lx) and None not in lo + lx:
+                res[n]["loss_max_abs_diff_vs_off"] = max(abs(x - y) for x, y in zip(lx, lo, strict=True))
+        lo, lr = (runs.get("off") or {}).get("losses"), (runs.get("off_repeat") or {}).get("losses")
+        if lo and lr and len(lo) == len(lr) and None not in lo + lr:
+            res["off"]["loss_max_abs_diff_off_repeat"] = max(abs(x - y) for x, y in zip(lo, lr, strict=True))
+
+        u = runs.get("unpatched", {})
+        if not u:
+            res["unpatched_outcome"] = "not run"
+        elif not u.get("ok"):
+            res["unpatched_outcome"] = f"{u.get('error')} | first error in log: {first_error(WORK / 'unpatched.log')}"
+        else:
+            gp = res["unpatched"].get("grad_parity") or {}
+            res["unpatched_outcome"] = (
+                f"trained {u.get('steps')} steps (fusion in model: {u.get('gradient_accumulation_fusion_in_model')}); "
+                f"step-1 gradients vs fusion off: {'pass' if gp.get('passed') else 'FAIL'} "
+                f"(max rel {gp.get('max_rel_diff')}, worst {[x['name'] for x in gp.get('worst', [])[:3]]})")
+        if a.tests:
+            res["bridge_tests"] = read_tests("tests_patched") if "tests_patched" not in skip else {}
+            res["bridge_tests"]["unpatched"] = read_tests("tests_unpatched") if "tests_unpatched" not in skip else {}
+        save()
+
+        if "patched_timing" not in skip and left(a.budget) > 110 and runs.get("patched", {}).get("ok"):
+            j = Job("patched_timing", [*PATCH, *torchrun(29505), *w, "--out", str(WORK / "patched_timing")],
+                    ROOT, env, 29505)
+            run_all([j], T0 + a.budget - 10)
+            res["jobs"][j.name] = j.summary()
+            t = read_run("patched_timing")
+            res["patched"]["median_step_ms"] = t.get("median_step_ms")
+            res["patched"]["timing_losses"] = t.get("losses")
+            res["patched"]["median_step_ms_source"] = "patched_timing, alone on the GPUs, steps 3+"
+        elif "patched" in res:
+            res["patched"]["median_step_ms"] = res["patched"].get("median_step_ms_concurrent")
+            res["patched"]["median_step_ms_source"] = "wave 1, concurrent with 5 other jobs on the same GPUs"
+    except Exception as e:  # noqa: BLE001 - partial JSON is the point
+        import traceback
+
+        res["driver_error"] = f"{type(e).__name__}: {e}"
+        res["driver_traceback"] = traceback.format_exc()[-3000:]
+    save()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -102,6 +102,15 @@ def find_calls(funcdef: ast.AST, call: str) -> list[ast.Call]:
             if isinstance(node, ast.Expr) and ast.dump(node.value) == template]
 
 
+def find_assigned_calls(funcdef: ast.AST, call: str) -> list[ast.Call]:
+    """Every ``call`` (compared as ASTs) that is the whole value of a one-name assignment
+    (``grad_weight = call``) inside ``funcdef``."""
+    template = ast.dump(ast.parse(call, mode="eval").body)
+    return [node.value for node in ast.walk(funcdef)
+            if isinstance(node, ast.Assign) and len(node.targets) == 1
+            and isinstance(node.targets[0], ast.Name) and ast.dump(node.value) == template]
+
+
 def find_statement(module: types.ModuleType, owner: str, attribute: str,
                       statement: str) -> AnalysedFunction | None:
     """Parse ``owner.attribute`` out of the module's source and find every occurrence of the

@@ -66,7 +66,7 @@ _COMPONENTS = {t.module.split(".")[0]: t.distribution for t in REGISTRY}
 
 
 def _switches() -> dict[str, bool]:
-    return {t.switch_variable: t.default_on for t in REGISTRY}
+    return {name: on for t in REGISTRY for name, on in ((t.switch_variable, t.default_on), *t.options.items())}
 
 
 def _read_config(strict: bool | None) -> config.Config | None:

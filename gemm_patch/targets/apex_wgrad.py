@@ -83,7 +83,7 @@ class ApexWgradTarget(Target):
         provided = f"apex missing: {self.extension}.{{{', '.join(usage.call_names)}}} provided by gemm_patch"
         return Inspection(usage.fingerprint, True, provided, usage)
 
-    def install(self, module: types.ModuleType, found: Inspection, undo: Undo) -> None:
+    def install(self, module: types.ModuleType, found: Inspection, undo: Undo, cfg: Any) -> str | None:
         undo.set_item(sys.modules, self.extension, STAND_IN)
         undo.set(module, self.extension, STAND_IN)
         undo.set(module, self.flag, True)

@@ -160,9 +160,15 @@ class Target:
         """Read the live module (and its source); raise ``callsite.CallSiteError`` to skip."""
         raise NotImplementedError
 
-    def install(self, module: types.ModuleType, found: Inspection, undo: Undo) -> None:
-        """Make the patch, every assignment through ``undo``."""
+    def install(self, module: types.ModuleType, found: Inspection, undo: Undo, cfg: Any) -> str | None:
+        """Make the patch, every assignment through ``undo``; may return a note for the reason
+        (what an optional part, under its own switch in ``options``, did)."""
         raise NotImplementedError
+
+    @property
+    def options(self) -> Mapping[str, bool]:
+        """Switches of optional parts of this target (variable -> default), beside its own."""
+        return {}
 
     def in_place(self, module: types.ModuleType, undo: Undo) -> str | None:
         """None while the installed patch is what ``module`` uses; otherwise what is there."""
@@ -199,8 +205,8 @@ class Target:
                 raise Refused(f"{self.name}: {reason}; refused because GEMM_PATCH_STRICT=1")
             return status(state, reason, found.fingerprint), Undo()
         undo = Undo()
-        self.install(module, found, undo)
-        return status(state, reason, found.fingerprint), undo
+        note = self.install(module, found, undo, cfg)
+        return status(state, f"{reason}; {note}" if note else reason, found.fingerprint), undo
 
     def judge(self, version: str | None, found: Inspection, cfg: Any) -> tuple[str, str]:
         fp, dist = found.fingerprint, self.distribution

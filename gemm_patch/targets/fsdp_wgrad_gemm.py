@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .fsdp_wgrad import CallSiteTarget, wgrad_accumulates
+from .fsdp_wgrad import DUMMY_CALLS, CallSiteTarget, wgrad_accumulates
 
 CALL = "_wgrad_gemm(weight.main_grad, grad_output, total_input)"
 MODULE = "megatron.core.tensor_parallel.layers"
@@ -51,6 +51,7 @@ TARGET = CallSiteTarget(
     call=CALL,
     replacement=fsdp_wgrad_gemm,
     also={},
+    dummies=DUMMY_CALLS,
     fingerprints={
         # 0.13.x-0.19.x: no such call (fsdp-wgrad's torch.matmul instead): not applicable.
         f"main@{MAIN_COMMIT[:8]}": "5bed6b0307f4975f",

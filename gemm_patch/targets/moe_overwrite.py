@@ -50,7 +50,7 @@ class ExpertFlagTarget(OverwriteFlagTarget):
     """``OverwriteFlagTarget``'s inspection (the statement in the method, the live object is
     the file's), with a wrapper for a static method taking the linear module."""
 
-    def install(self, module: types.ModuleType, found: Inspection, undo: Undo) -> None:
+    def install(self, module: types.ModuleType, found: Inspection, undo: Undo, cfg: Any) -> str | None:
         self.replace(module, undo, PatchedExpertFlag(self.live_object(module)))
 
 

@@ -153,7 +153,7 @@ class NemoFusionTarget(MethodTarget):
                                  {CELL: nemo_turns_fusion_off})
         return Inspection(fp, True, f"{self.where}'s Megatron-FSDP fusion switch-off", twin)
 
-    def install(self, module: types.ModuleType, found: Inspection, undo: Undo) -> None:
+    def install(self, module: types.ModuleType, found: Inspection, undo: Undo, cfg: Any) -> str | None:
         self.replace(module, undo, PatchedInitDdp(self.live_object(module), found.payload))
 
 

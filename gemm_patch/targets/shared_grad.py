@@ -124,7 +124,7 @@ class SharedGradTarget(MethodTarget):
         check_live_is_source(module, self.owner, self.attribute)
         return Inspection(fp, True, f"{self.where}.{NESTED}", AnalysedFunction(module, funcdef, fp, []))
 
-    def install(self, module: types.ModuleType, found: Inspection, undo: Undo) -> None:
+    def install(self, module: types.ModuleType, found: Inspection, undo: Undo, cfg: Any) -> str | None:
         twin = build_edited_twin(found.payload, self.where, _edit, {CELL: add_shared_grad})
         self.replace(module, undo, PatchedHookRegistration(self.live_object(module), twin))
 

@@ -78,7 +78,7 @@ class OverwriteFlagTarget(MethodTarget):
         check_live_is_source(module, self.owner, self.attribute)
         return Inspection(found.fingerprint, True, self.where, found)
 
-    def install(self, module: types.ModuleType, found: Inspection, undo: Undo) -> None:
+    def install(self, module: types.ModuleType, found: Inspection, undo: Undo, cfg: Any) -> str | None:
         self.replace(module, undo, PatchedOverwriteFlag(self.live_object(module)))
 
 

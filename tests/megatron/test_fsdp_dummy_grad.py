@@ -1,0 +1,135 @@
+"""The dummy ``grad_weight`` megatron returns after a fused write, under Megatron-FSDP.
+
+megatron's backward returns a full-size tensor so that autograd runs the gradient hooks; with TE
+it is TE's per-shape cache (1 GiB of bf16 for a 128256 x 4096 output layer, held for the whole
+process), without TE a fresh ``torch.empty``. fsdp-wgrad's optional part returns a view of the
+first bytes of the weight's own ``main_grad`` instead. These tests run megatron's own backward
+with a post-accumulate-grad hook that does what Megatron-FSDP's ``_grad_acc`` does with a fused
+weight (delete ``param.grad`` when ``grad_added_to_main_grad`` is set) and check where the dummy
+lives, that the gradient is still exact, and every case where the view must not be given.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import APPLICABLE, layers, torch
+from test_fsdp_accumulate import megatron_fsdp_param, rel
+from test_safety import run
+
+import gemm_patch
+
+pytestmark = pytest.mark.skipif(not APPLICABLE, reason="release has no such call site")
+
+
+def storage_of(tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+def run_with_fsdp_hook(weight, n: int, seed: int = 1, tokens: int = 48):
+    """n micro-batches through megatron's fused-wgrad function; returns each micro-batch's exact
+    gradient and the storage each dummy ``.grad`` lived in when the hook saw it."""
+    seen: list[int] = []
+
+    def grad_acc(param):  # Megatron-FSDP's _grad_acc, for a weight the fused path wrote
+        seen.append(storage_of(param.grad))
+        if param.grad_added_to_main_grad and param.grad is not None:
+            del param.grad
+        param.grad_added_to_main_grad = False
+
+    handle = weight.register_post_accumulate_grad_hook(grad_acc)
+    gen = torch.Generator().manual_seed(seed)
+    exact = []
+    try:
+        for _ in range(n):
+            x = torch.randn(tokens, weight.shape[1], generator=gen).to(torch.bfloat16).requires_grad_()
+            y = layers.linear_with_grad_accumulation_and_async_allreduce(
+                x, weight, None, gradient_accumulation_fusion=True, allreduce_dgrad=False,
+                sequence_parallel=False,
+            )
+            grad_out = torch.randn(y.shape, generator=gen).to(torch.bfloat16)
+            y.backward(grad_out)
+            exact.append(grad_out.double().t() @ x.detach().double())
+            assert weight.grad is None, "the hook did not drop the dummy"
+    finally:
+        handle.remove()
+    return exact, seen
+
+
+@pytest.fixture
+def cpu_dummy(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+
+
+@pytest.mark.parametrize("distributed", [False, True], ids=["persistent", "fresh-bucket"])
+def test_the_dummy_is_a_view_of_main_grad_and_the_gradient_stays_exact(patched, cpu_dummy, distributed):
+    weight, gbuf = megatron_fsdp_param(40, 32, distributed=distributed)
+    exact, seen = run_with_fsdp_hook(weight, 3)
+    mains = [gbuf.data] * 3 if not distributed else gbuf.buckets
+    assert seen == [storage_of(m) for m in mains], "the dummy was allocated, not a view of main_grad"
+    if distributed:
+        for bucket, ref in zip(gbuf.buckets, exact, strict=True):
+            assert rel(bucket.view(weight.shape), ref) < 1e-6
+    else:
+        assert rel(gbuf.data.view(weight.shape), sum(exact)) < 1e-6
+
+
+def test_bf16_main_grad_is_aliased_too(patched, cpu_dummy):
+    weight, gbuf = megatron_fsdp_param(40, 32, distributed=False, main_dtype=torch.bfloat16)
+    exact, seen = run_with_fsdp_hook(weight, 2)
+    assert seen == [storage_of(gbuf.data)] * 2
+    assert rel(gbuf.data.view(weight.shape), sum(exact)) < 2 ** -7
+
+
+@pytest.mark.parametrize("mark", ["_is_shared", "shared", "shared_embedding"])
+def test_a_weight_marked_as_used_twice_gets_megatrons_dummy(patched, cpu_dummy, mark):
+    weight, gbuf = megatron_fsdp_param(40, 32, distributed=False)
+    setattr(weight, mark, True)
+    exact, seen = run_with_fsdp_hook(weight, 2)
+    assert storage_of(gbuf.data) not in seen
+    assert rel(gbuf.data.view(weight.shape), sum(exact)) < 1e-6
+
+
+def test_a_pending_grad_is_never_aliased(patched, cpu_dummy):
+    """A ``.grad`` left from an earlier use would be added to in place by autograd: that add
+    must not land in main_grad."""
+    weight, gbuf = megatron_fsdp_param(40, 32, distributed=False)
+    weight.grad = torch.zeros_like(weight)
+    weight.main_grad = gbuf.data.view(weight.shape)
+    from gemm_patch.targets.fsdp_wgrad import main_grad_alias
+
+    assert main_grad_alias(weight, list(weight.shape), torch.bfloat16) is None
+    weight.grad = None
+    assert main_grad_alias(weight, list(weight.shape), torch.bfloat16) is not None
+    assert main_grad_alias(weight, [41, 32], torch.float32) is None  # more bytes than main_grad
+    plain = torch.nn.Parameter(torch.zeros(4, 4, dtype=torch.bfloat16))
+    plain.main_grad = torch.zeros(4, 4)
+    assert main_grad_alias(plain, [4, 4], torch.bfloat16) is None  # not Megatron-FSDP's
+
+
+def test_status_says_what_the_dummy_is(patched):
+    fsdp = {t.name: t for t in gemm_patch.status().targets}["fsdp-wgrad"]
+    assert fsdp.reason.endswith("dummy grad_weight: a view of main_grad"), fsdp.reason
+
+
+def test_switched_off_megatron_allocates_its_own_dummy(cpu_dummy):
+    """GEMM_PATCH_FSDP_DUMMY_GRAD=0, in a fresh interpreter: the fix to the call stays, the
+    dummy is megatron's (a storage of its own), the status says so."""
+    snippet = f"""
+import sys; sys.path[:0] = [{str(Path(__file__).parent)!r}]
+import torch; torch.cuda.current_device = lambda: "cpu"
+import gemm_patch; gemm_patch.apply()
+from test_fsdp_dummy_grad import run_with_fsdp_hook, storage_of
+from test_fsdp_accumulate import megatron_fsdp_param, rel
+from test_safety import run
+weight, gbuf = megatron_fsdp_param(40, 32, distributed=False)
+exact, seen = run_with_fsdp_hook(weight, 2)
+assert storage_of(gbuf.data) not in seen, seen
+assert rel(gbuf.data.view(weight.shape), sum(exact)) < 1e-6
+reason = {{t.name: t for t in gemm_patch.status().targets}}["fsdp-wgrad"].reason
+print(reason)
+"""
+    out = run(snippet, GEMM_PATCH_FSDP_DUMMY_GRAD="0")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "megatron's (GEMM_PATCH_FSDP_DUMMY_GRAD=0)" in out.stdout

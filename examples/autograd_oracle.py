@@ -24,6 +24,18 @@ What it runs (one configuration of examples/train_gpt_fsdp.py's ``--plan`` with
 * the reduction: accumulators divided by dp (Megatron-FSDP's ``gradient_scaling_factor`` is
   1/dp; dp = 1 or 2, a power of two, so the division is exact).
 
+Model-parallel layouts (issue 10: ``tp``, ``cp``, ``ep`` > 1): every rank first builds the
+layout's own model exactly as training does (same seeding: TP shards and each expert-parallel
+rank's experts get their own initial values), and the weights are gathered whole
+(``unshard_model_parallel``: TP shards concatenated along their partition dimension, experts
+under their global index). Then megatron's parallel state is rebuilt with TP = CP = EP = 1 and
+rank 0 runs a replica (the same model without sequence parallelism or the fused grouped MLP,
+which compute the same products) loaded with those weights, as above, with dp = the layout's
+data-parallel size for dense weights (micro-batches: TP and CP ranks share theirs, expert-parallel
+ranks are data-parallel ranks). CP: the replica sees whole sequences and a per-sequence mean
+loss, which is what CP's per-rank mean over half a sequence, scaled by 1 / (dp x cp) in
+Megatron-FSDP's reduction, adds up to. Afterwards the layout's parallel state is restored.
+
 The dump has the training script's ``--grad-dump`` format ({name: fp32 CPU tensor}, names
 without wrappers), so examples/compare_grads.py compares it like any other dump.
 """
@@ -40,7 +52,17 @@ def run_oracle(run: dict[str, Any], device: str | None = None) -> dict[str, Any]
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.module import Float16Module
-    from train_gpt_fsdp import PatternData, build_configs, build_gpt, strip_wrappers, weights_hash
+    from train_gpt_fsdp import (
+        PARALLEL_KEYS,
+        PatternData,
+        build_configs,
+        build_gpt,
+        init_parallel,
+        strip_wrappers,
+        tp_partition_dim,
+        unshard_model_parallel,
+        weights_hash,
+    )
 
     if not run.get("grad_dump"):
         raise SystemExit(f"{run['name']}: mode autograd needs grad_dump")
@@ -50,6 +72,23 @@ def run_oracle(run: dict[str, Any], device: str | None = None) -> dict[str, Any]
     m, mbs, seq = int(run["micro_batches"]), int(run["micro_batch_size"]), int(run["seq"])
     result: dict[str, Any] = {"name": run["name"], "config": run, "mode": "autograd", "dp": dp,
                               "world_size": dist.get_world_size() if dist.is_initialized() else 1}
+    parallel = any(int(run.get(k) or 1) > 1 for k in PARALLEL_KEYS)
+    weights = None
+    if parallel:
+        tconfig = build_configs({**run, "fusion": "off"})[0]
+        torch.manual_seed(run["seed"])
+        model_parallel_cuda_manual_seed(run["seed"])
+        layout_gpt = build_gpt(run, tconfig).to(device)
+        result["init_hash"] = weights_hash(layout_gpt)  # rank 0's shard, as the training runs record it
+        weights = unshard_model_parallel(
+            [(n, p.detach(), tp_partition_dim(p)) for n, p in layout_gpt.named_parameters()],
+            int(run.get("moe_experts") or 0))
+        del layout_gpt
+        parallel_state.destroy_model_parallel()
+        init_parallel({})  # TP = CP = EP = 1 for the replica
+        run = {**run, **{k: 1 for k in PARALLEL_KEYS}, "sequence_parallel": "off",
+               "moe_fused": "off" if run.get("moe_fused") == "on" else run.get("moe_fused", "none")}
+        result["replica"] = {k: run[k] for k in (*PARALLEL_KEYS, "sequence_parallel", "moe_fused")}
     if rank == 0:
         t0 = time.perf_counter()
         tconfig = build_configs({**run, "fusion": "off"})[0]
@@ -58,7 +97,17 @@ def run_oracle(run: dict[str, Any], device: str | None = None) -> dict[str, Any]
             model_parallel_cuda_manual_seed(run["seed"])
         gpt = build_gpt(run, tconfig)
         gpt.to(device)
-        result["init_hash"] = weights_hash(gpt)
+        if weights is not None:
+            own = dict(gpt.named_parameters())
+            bad = sorted(set(own) ^ set(weights)) or [
+                (n, tuple(p.shape), tuple(weights[n].shape)) for n, p in own.items() if p.shape != weights[n].shape]
+            if bad:
+                raise RuntimeError(f"the replica's parameters and the gathered weights differ: {bad[:6]}")
+            with torch.no_grad():
+                for n, p in own.items():
+                    p.copy_(weights[n])
+        else:
+            result["init_hash"] = weights_hash(gpt)
         model = Float16Module(tconfig, gpt)
         params = {strip_wrappers(n): p for n, p in model.named_parameters() if p.requires_grad}
         acc = {n: torch.zeros(p.shape, dtype=torch.float32, device=p.device) for n, p in params.items()}
@@ -104,4 +153,8 @@ def run_oracle(run: dict[str, Any], device: str | None = None) -> dict[str, Any]
               flush=True)
     if dist.is_initialized():
         dist.barrier()
+    if parallel:
+        del weights
+        parallel_state.destroy_model_parallel()
+        init_parallel(result["config"])  # the layout's state again, for the runs after this one
     return result

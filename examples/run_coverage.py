@@ -1,6 +1,14 @@
 #!/usr/bin/env python
-"""Issue 13's H200 proof: tied embeddings and multi-token prediction on Megatron-FSDP, before
-and after gemm-patch's shared-weight fix, against both oracles of issue 10.
+"""The H200 gradient-parity campaigns. ``--issue 10`` (default): every layout that fits two GPUs
+(examples/coverage_issue10.py says what runs; ``--smoke`` runs each new layout once). ``--issue 13``:
+tied embeddings and multi-token prediction on Megatron-FSDP, before and after gemm-patch's
+shared-weight fix, against both oracles of issue 10 (described below).
+
+Results: examples/results/coverage.json is the list of every comparison (rows of both issues,
+``issue`` 10 or 13); coverage_runs.json holds each campaign's metadata (issue 13's records and
+processes, issue 10's calls); new rows are merged in (same key replaced, the rest kept), so a
+partial rerun drops nothing. ``--merge-call DIR`` merges a GPU call's coverage10_rows.json and
+coverage10_run.json into examples/results and redraws coverage_layouts.png (plot_coverage.py).
 
     python examples/run_coverage.py --out OUT [--releases 0.17.1,0.19.2] [--configs off,off_repeat,before,after]
         [--layouts dp1_tied,dp1_tied_mtp,dp2_tied,dp2_tied_mtp] [--baseline .baseline] ...
@@ -56,6 +64,9 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import coverage_issue10 as I10  # noqa: E402  (examples/coverage_issue10.py, next to this script)
+
 ROOT = HERE.parent
 SCRIPT = HERE / "train_gpt_fsdp.py"
 BOUND = 2.0 ** -7
@@ -84,15 +95,29 @@ PROTECT_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
+    p.add_argument("--issue", type=int, choices=(10, 13), default=10,
+                   help="10: the layouts campaign (examples/coverage_issue10.py); 13: tied embeddings and MTP")
+    p.add_argument("--smoke", action="store_true",
+                   help="issue 10: each new layout (tp2_sp, cp2, dp1_moe, ep2_moe) once, optim_grads_params, "
+                        "1 micro-batch, configs off/after (+ before for dp1_moe), on the last release given")
+    p.add_argument("--results", default=str(HERE / "results"),
+                   help="the folder whose coverage.json (list of rows) and coverage_runs.json the new rows are "
+                        "merged into; OUT gets the merged files")
+    p.add_argument("--merge-call", metavar="DIR",
+                   help="merge a call's coverage10_rows.json and coverage10_run.json (from DIR) into --results "
+                        "in place, regenerate coverage.md and the plot; nothing runs")
     p.add_argument("--merge", nargs="+", metavar="COVERAGE_JSON",
                    help="merge coverage.json files of several calls instead of running: records keyed by "
                         "(release, layout, strategy, micro_batches), a later file's record replacing an earlier "
                         "one; writes OUT/coverage.json and OUT/coverage.md")
     p.add_argument("--scratch", default="/tmp/gemm_patch_coverage")
-    p.add_argument("--releases", default="0.17.1", help="megatron-core versions, comma-separated")
+    p.add_argument("--releases", default="0.17.1,0.19.2", help="megatron-core versions, comma-separated")
     p.add_argument("--mcore-root", default="/tmp/gp", help="the GPU kit's install root: mcXXYY per release")
-    p.add_argument("--layouts", default="dp1_tied,dp1_tied_mtp,dp2_tied,dp2_tied_mtp")
-    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--layouts", default=None,
+                   help="default: issue 10's dp1,dp2,tp2_sp,cp2,dp1_moe,ep2_moe; issue 13's "
+                        "dp1_tied,dp1_tied_mtp,dp2_tied,dp2_tied_mtp")
+    p.add_argument("--configs", default=None, help="default: off,off_repeat,before,after (issue 10: before "
+                                                   "runs for MoE layouts only)")
     p.add_argument("--strategies-dp1", default="optim_grads_params,no_shard")
     p.add_argument("--strategies-dp2", default="optim_grads_params,no_shard,optim,optim_grads")
     p.add_argument("--baseline", default=str(ROOT / ".baseline"),
@@ -118,7 +143,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="text recorded as tree_state (git HEAD and status of the checkout, written before the call)")
     p.add_argument("--dry", action="store_true", help="write the plans and print the commands only")
     p.add_argument("--compare-only", action="store_true", help="skip training; compare what is in scratch")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.layouts is None:
+        args.layouts = ",".join(I10.SMOKE_LAYOUTS if args.smoke else I10.LAYOUTS) if args.issue == 10 else \
+            "dp1_tied,dp1_tied_mtp,dp2_tied,dp2_tied_mtp"
+    if args.configs is None:
+        args.configs = "off,before,after" if args.smoke else ",".join(CONFIGS)
+    if args.smoke:
+        args.releases = args.releases.split(",")[-1]
+    return args
 
 
 # -- plans and processes ------------------------------------------------------------------------
@@ -149,35 +182,70 @@ def make_processes(args, scratch: Path) -> list[dict[str, Any]]:
                         plan.append({**model, **shape, "name": f"{config}.{s}.m{m}", "mode": "train",
                                      "fusion": fusion, "sharding": s, "micro_batches": m, "steps": steps,
                                      "grad_dump": str(dump_path(scratch, rel, layout, config, s, m))})
-                name = f"{rel}.{layout}.{config}"
-                plan_file = scratch / "plans" / f"{name}.json"
-                plan_file.write_text(json.dumps(plan, indent=1))
-                out = scratch / "parts" / f"{name}.json"
-                torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                            "--nproc-per-node", str(lay["gpus"]), str(SCRIPT), "--plan", str(plan_file),
-                            "--out", str(out)]
-                mc = str(Path(args.mcore_root) / f"mc{rel.replace('.', '')}")
-                site = str(Path(args.mcore_root) / "site")
-                own = (ROOT, Path(args.baseline).resolve(), Path(args.after_root).resolve())
-                rest = [e for e in os.environ.get("PYTHONPATH", "").split(os.pathsep)
-                        if e and e not in (mc, site) and Path(e).resolve() not in own
-                        and not Path(e).name.startswith("mc0")]
-                if config in ("before", "after"):
-                    gp_root = str(Path(args.baseline if config == "before" else args.after_root).resolve())
-                    cmd = [sys.executable, "-m", "gemm_patch", "run", "--", *torchrun, "--require-patch"]
-                    pythonpath = [gp_root, mc, site, *rest]
-                else:
-                    gp_root, cmd, pythonpath = None, torchrun, [mc, site, *rest]
-                procs.append({"name": name, "release": rel, "layout": layout, "config": config,
-                              "gpus": lay["gpus"], "cmd": cmd, "pythonpath": os.pathsep.join(pythonpath),
-                              "gemm_patch_root": gp_root, "out": str(out), "plan": plan,
-                              "log": str(scratch / "logs" / f"{name}.log")})
+                procs.append(process(args, scratch, rel, layout, config, lay["gpus"], plan,
+                                     args.baseline if config == "before" else args.after_root))
     # Releases in the order given; in each, 2-GPU processes first (they need both GPUs' slots),
     # then 1-GPU ones; off before the rest.
     order = {c: i for i, c in enumerate(CONFIGS)}
     rels = {r: i for i, r in enumerate(args.releases.split(","))}
     procs.sort(key=lambda p: (rels[p["release"]], -p["gpus"], order.get(p["config"], 9)))
     return procs
+
+
+def process(args, scratch: Path, rel: str, layout: str, config: str, gpus: int, plan: list[dict],
+            gp_root: str | None, extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    """One training process: torchrun of train_gpt_fsdp.py over its plan, under ``python -m
+    gemm_patch run`` with ``gp_root``'s gemm_patch first on PYTHONPATH for fused configurations
+    (before/after), plain for off/off_repeat."""
+    name = f"{rel}.{layout}.{config}"
+    plan_file = scratch / "plans" / f"{name}.json"
+    plan_file.write_text(json.dumps(plan, indent=1))
+    out = scratch / "parts" / f"{name}.json"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", str(gpus), str(SCRIPT), "--plan", str(plan_file), "--out", str(out)]
+    mc = str(Path(args.mcore_root) / f"mc{rel.replace('.', '')}")
+    site = str(Path(args.mcore_root) / "site")
+    own = (ROOT, Path(args.baseline).resolve(), Path(args.after_root).resolve())
+    rest = [e for e in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+            if e and e not in (mc, site) and Path(e).resolve() not in own
+            and not Path(e).name.startswith("mc0")]
+    if config in ("before", "after"):
+        gp_root = str(Path(gp_root).resolve())
+        cmd = [sys.executable, "-m", "gemm_patch", "run", "--", *torchrun, "--require-patch", *extra]
+        pythonpath = [gp_root, mc, site, *rest]
+    else:
+        gp_root, cmd, pythonpath = None, [*torchrun, *extra], [mc, site, *rest]
+    return {"name": name, "release": rel, "layout": layout, "config": config,
+            "gpus": gpus, "cmd": cmd, "pythonpath": os.pathsep.join(pythonpath),
+            "gemm_patch_root": gp_root, "out": str(out), "plan": plan,
+            "log": str(scratch / "logs" / f"{name}.log")}
+
+
+def print_dry(procs) -> None:
+    for p in procs:
+        print(p["name"], "GPUs", p["gpus"], "PYTHONPATH=" + p["pythonpath"], " ".join(p["cmd"]))
+        print("   plan:", [r["name"] for r in p["plan"]])
+
+
+def read_parts(procs) -> dict[str, Any]:
+    """Each process's JSON (None where it wrote none)."""
+    parts = {}
+    for p in procs:
+        try:
+            parts[p["name"]] = json.loads(Path(p["out"]).read_text())
+        except (OSError, ValueError):
+            parts[p["name"]] = None
+    return parts
+
+
+def write_logs(path: Path, procs) -> None:
+    with gzip.open(path, "wt") as f:
+        for p in procs:
+            f.write(f"==== {p['name']} rc={p.get('rc')} seconds={p.get('seconds')} {p.get('skipped') or ''} ====\n")
+            try:
+                f.write(Path(p["log"]).read_text(errors="replace"))
+            except OSError:
+                f.write("(no log)\n")
 
 
 def run_processes(procs, args, t0: float) -> None:
@@ -335,12 +403,7 @@ def loss_parity(losses: dict[str, list[float]], floor: float, control: float | N
 
 def assemble(procs, args, t0: float) -> dict[str, Any]:
     scratch = Path(args.scratch)
-    parts = {}
-    for p in procs:
-        try:
-            parts[p["name"]] = json.loads(Path(p["out"]).read_text())
-        except (OSError, ValueError):
-            parts[p["name"]] = None
+    parts = read_parts(procs)
     cache: dict[str, Any] = {}
     records, rows, details = [], [], {"comparisons": {}, "parts": parts}
     releases = args.releases.split(",")
@@ -501,7 +564,7 @@ def markdown(result: dict[str, Any]) -> str:
         fails = sum(not x["passed"] for x in xs)
         return f"{max(x['max_step_diff'] for x in xs):.1e} ({len(xs) - fails}/{len(xs)} pass)"
 
-    lines = ["# Issue 13: tied embeddings and MTP on Megatron-FSDP, before/after gemm-patch's shared-weight fix", "",
+    lines = ["## Issue 13: tied embeddings and MTP on Megatron-FSDP, before/after gemm-patch's shared-weight fix", "",
              f"{result.get('gpu')} x2, TE 2.20.2, bf16, fp32 main grads; model {result['model']}; "
              f"{len(result['records'])} records ({result['campaign_seconds']:.0f} s of campaign). "
              f"before = gemm-patch 0.1.0 (sha {result['gemm_patch_sha']['before']}), "
@@ -534,7 +597,7 @@ def markdown(result: dict[str, Any]) -> str:
               "Step times: " + result["concurrency"] + "; they are in coverage.json (`median_step_ms`)."]
     bad = [p for p in result["processes"] if p.get("rc") != 0]
     if bad:
-        lines += ["", "## Processes that failed or did not run", ""]
+        lines += ["", "### Processes that failed or did not run", ""]
         lines += [f"- {p['name']}: rc={p.get('rc')} {p.get('skipped') or ''}" for p in bad]
     return "\n".join(lines) + "\n"
 
@@ -605,16 +668,124 @@ def merge(paths: list[str]) -> dict[str, Any]:
     return merged
 
 
+# -- issue 10, and the results folder's files ---------------------------------------------------
+
+def make_processes10(args, scratch: Path) -> list[dict[str, Any]]:
+    model = {"layers": args.layers, "hidden": args.hidden, "seq": args.seq, "vocab": args.vocab,
+             "micro_batch_size": args.micro_batch_size, "lr": args.lr, "main_grads_dtype": "fp32"}
+    procs = []
+    for rel in args.releases.split(","):
+        for layout in args.layouts.split(","):
+            for config in I10.configs_for(layout, args.configs.split(",")):
+                def dump(config, what, m, rel=rel, layout=layout):
+                    return dump_path(scratch, rel, layout, config, what, m)
+                plan = I10.plan_for(layout, rel, config, model, dump, args.smoke)
+                extra = ("--leave-out-target", I10.LEFT_OUT) if config == "before" else ()
+                procs.append(process(args, scratch, rel, layout, config, I10.LAYOUTS[layout]["gpus"], plan,
+                                     args.after_root, extra))
+    # Two-GPU processes first (they need a slot on both GPUs), longest plans first.
+    procs.sort(key=lambda p: (-p["gpus"], -len(p["plan"])))
+    return procs
+
+
+def read_runs(results: Path) -> dict[str, Any]:
+    path = results / "coverage_runs.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    old = results / "coverage.json"  # the issue-13 form: one dict, its rows inside
+    if old.exists() and isinstance(json.loads(old.read_text()), dict):
+        return {"issue13": {k: v for k, v in json.loads(old.read_text()).items() if k != "rows"}}
+    return {}
+
+
+def write_results(dest: Path, results: Path, new_rows: list[dict], runs_update: dict[str, Any]) -> list[dict]:
+    """dest/coverage.json (every row: results' rows with the new ones merged in), coverage_runs.json
+    (each campaign's metadata: issue 13's records and processes, issue 10's calls) and coverage.md."""
+    rows = I10.merge_rows(I10.load_rows(results / "coverage.json"), new_rows)
+    runs = read_runs(results)
+    if "issue10_call" in runs_update:
+        runs.setdefault("issue10", {"calls": []})["calls"].append(runs_update["issue10_call"])
+    if "issue13" in runs_update:
+        runs["issue13"] = runs_update["issue13"]
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "coverage.json").write_text(I10.dumps_rows(compact(rows)))
+    body = ",\n".join(f"{json.dumps(k)}: {dumps(compact(v)).rstrip()}" for k, v in runs.items())
+    (dest / "coverage_runs.json").write_text("{\n" + body + "\n}\n")
+    md = ["# Gradient parity campaigns on H200s (issues 10 and 13)", "",
+          "Every comparison is a row of [coverage.json](coverage.json); each campaign's processes, "
+          "rules and records are in [coverage_runs.json](coverage_runs.json).", "", I10.markdown(rows)]
+    if runs.get("issue13", {}).get("records"):
+        md.append(markdown({**runs["issue13"], "rows": [r for r in rows if r.get("issue") == 13]}))
+    (dest / "coverage.md").write_text("\n".join(md))
+    try:
+        import plot_coverage
+
+        plot_coverage.plot(rows, dest / "coverage_layouts.png")
+    except ImportError as exc:  # matplotlib missing (the GPU machine): plotted when merged here
+        print(f"no plot: {exc}")
+    return rows
+
+
+def main10(args, t0: float, scratch: Path, out: Path) -> int:
+    procs = make_processes10(args, scratch)
+    if args.dry:
+        print_dry(procs)
+        return 0
+    if not args.compare_only:
+        run_processes(procs, args, t0)
+    parts = read_parts(procs)
+    cache: dict[str, Any] = {}
+    rows, details = I10.assemble(procs, parts, lambda *a: dump_path(scratch, *a), lambda path: load_dump(path, cache),
+                                 compare, args.smoke)
+    call = {
+        "smoke": args.smoke, "campaign_seconds": round(time.time() - t0, 1),
+        "gemm_patch_sha": package_sha(Path(args.after_root)), "gemm_patch_root": str(Path(args.after_root).resolve()),
+        "tree_state": Path(args.tree_state_file).read_text() if Path(args.tree_state_file).exists() else None,
+        "gpu": next((pt.get("gpu") for pt in parts.values() if pt), None),
+        "versions": sorted({json.dumps(pt.get("versions"), sort_keys=True) for pt in parts.values() if pt}),
+        "model": {k: getattr(args, k) for k in ("layers", "hidden", "seq", "vocab", "micro_batch_size")},
+        "bound": {"base": BOUND, "noise_factor": NOISE_FACTOR,
+                  "rule": "per parameter rel = ||g - g_ref|| / ||g_ref|| <= max(2^-7, 3 x noise rel)"},
+        "left_out_in_before": I10.LEFT_OUT,
+        "processes": [{**{k: p.get(k) for k in ("name", "release", "layout", "config", "gpus", "rc", "seconds",
+                                                  "start_s", "skipped", "timed_out")},
+                       "targets": [(t.get("name"), t.get("state")) for t in
+                                   (((parts.get(p["name"]) or {}).get("gemm_patch_after_wrap") or {}).get("targets")
+                                    or [])],
+                       "failed_runs": {r["name"]: r.get("unsupported") or r.get("error")
+                                       for r in (parts.get(p["name"]) or {}).get("runs", [])
+                                       if r.get("unsupported") or r.get("error")}} for p in procs],
+    }
+    (out / "coverage10_rows.json").write_text(I10.dumps_rows(compact(rows)))
+    (out / "coverage10_run.json").write_text(json.dumps(compact(call), indent=1))
+    write_results(out, Path(args.results), rows, {"issue10_call": call})
+    with gzip.open(out / "coverage10_details.json.gz", "wt") as f:
+        json.dump({"comparisons": details, "parts": parts}, f)
+    write_logs(out / "coverage10_logs.txt.gz", procs)
+    # Short table last.
+    print("\n" + I10.markdown(rows))
+    bad = [p["name"] + f" rc={p.get('rc')}" for p in procs if p.get("rc") != 0]
+    print(f"processes {len(procs)}, failed/skipped {len(bad)}: {bad}; rows {len(rows)}, passed "
+          f"{sum(r.get('passed') is True for r in rows)}, failed {sum(r.get('passed') is False for r in rows)}, "
+          f"unsupported {sum(bool(r.get('unsupported')) for r in rows)}; {time.time() - t0:.0f} s")
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     t0 = time.time()
+    if args.merge_call:
+        call = Path(args.merge_call)
+        new = json.loads((call / "coverage10_rows.json").read_text())
+        run = json.loads((call / "coverage10_run.json").read_text())
+        rows = write_results(Path(args.results), Path(args.results), new, {"issue10_call": run})
+        print(f"merged {len(new)} rows into {args.results}: {len(rows)} rows")
+        return 0
     if args.merge:
         result = merge(args.merge)
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "coverage.json").write_text(dumps(compact(result)))
-        (out / "coverage.md").write_text(markdown(result))
-        print(f"merged {len(args.merge)} files: {len(result['records'])} records, {len(result['rows'])} rows")
+        rows = [{"issue": 13, "variant": "", **r} for r in result.pop("rows")]
+        write_results(Path(args.out), Path(args.results), rows, {"issue13": result})
+        print(f"merged {len(args.merge)} files: {len(result['records'])} records, {len(rows)} rows")
         return 0
     scratch = Path(args.scratch)
     out = Path(args.out)
@@ -624,11 +795,11 @@ def main(argv=None) -> int:
     if not args.compare_only:
         for f in list((scratch / "parts").glob("*.json")) + list((scratch / "dumps").rglob("*.pt")):
             f.unlink()
+    if args.issue == 10:
+        return main10(args, t0, scratch, out)
     procs = make_processes(args, scratch)
     if args.dry:
-        for p in procs:
-            print(p["name"], "GPUs", p["gpus"], "PYTHONPATH=" + p["pythonpath"], " ".join(p["cmd"]))
-            print("   plan:", [r["name"] for r in p["plan"]])
+        print_dry(procs)
         return 0
     if not args.compare_only:
         run_processes(procs, args, t0)
@@ -636,17 +807,12 @@ def main(argv=None) -> int:
         for p in procs:
             p["rc"] = 0 if Path(p["out"]).exists() else None
     result, details = assemble(procs, args, t0)
-    (out / "coverage.json").write_text(dumps(compact(result)))
-    (out / "coverage.md").write_text(markdown(result))
+    rows13 = [{"issue": 13, "variant": "", **r} for r in result.pop("rows")]
+    write_results(out, Path(args.results), rows13, {"issue13": result})
+    result["rows"] = rows13  # for the table below
     with gzip.open(out / "coverage_details.json.gz", "wt") as f:
         json.dump(details, f)
-    with gzip.open(out / "coverage_logs.txt.gz", "wt") as f:
-        for p in procs:
-            f.write(f"==== {p['name']} rc={p.get('rc')} seconds={p.get('seconds')} ====\n")
-            try:
-                f.write(Path(p["log"]).read_text(errors="replace"))
-            except OSError:
-                f.write("(no log)\n")
+    write_logs(out / "coverage_logs.txt.gz", procs)
     # Short table last: the verdict per row.
     print("\nrelease layout strategy M config | fusion_off max rel | autograd max rel | pass")
     for rec in result["records"]:

@@ -57,6 +57,7 @@ import gc
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -65,7 +66,11 @@ from typing import Any
 
 RUN_KEYS = ("name", "fusion", "main_grads_dtype", "sharding", "steps", "micro_batches", "layers",
             "hidden", "seq", "vocab", "micro_batch_size", "seed", "lr", "lr_warmup_steps", "adam_beta2",
-            "grad_dump", "wgrad_rule", "tied", "mtp_layers", "moe_experts", "moe_topk", "mode", "spec")
+            "grad_dump", "wgrad_rule", "tied", "mtp_layers", "moe_experts", "moe_topk", "mode", "spec",
+            # issue 10's layouts: model parallelism (the same for every run of a process), the 0.19
+            # fused grouped MLP, Megatron-FSDP's double buffer and communication overlap
+            "tp", "cp", "ep", "sequence_parallel", "moe_fused", "double_buffer", "overlap")
+PARALLEL_KEYS = ("tp", "cp", "ep")
 
 # Weights whose gradient is written by a fused wgrad GEMM straight into main_grad when
 # gradient_accumulation_fusion is on: TE's linear layers, and megatron's ColumnParallelLinear
@@ -146,6 +151,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plan", default=None,
                    help="JSON list of runs, each a dict of the flags above (dest names) overriding the "
                         "command line; all run in this process, one after another")
+    p.add_argument("--tp", type=int, default=1, help="tensor_model_parallel_size")
+    p.add_argument("--cp", type=int, default=1, help="context_parallel_size (sequence split zigzag over CP ranks)")
+    p.add_argument("--ep", type=int, default=1, help="expert_model_parallel_size")
+    p.add_argument("--sequence-parallel", choices=("on", "off"), default="off", help="with --tp > 1")
+    p.add_argument("--moe-fused", choices=("none", "off", "on"), default="none",
+                   help="issue 10's MoE: 'on' = megatron-core 0.19's fused grouped MLP (use_transformer_engine_"
+                        "op_fuser, fused weighted squared ReLU), 'off' = the same model (squared ReLU) unfused; "
+                        "'none' = issue 13's MoE (GELU)")
+    p.add_argument("--double-buffer", choices=("on", "off"), default="off", help="DDP config fsdp_double_buffer")
+    p.add_argument("--overlap", choices=("on", "off"), default="on",
+                   help="overlap_grad_reduce and overlap_param_gather (Megatron-FSDP forces both on for "
+                        "optim_grads_params)")
+    p.add_argument("--leave-out-target", action="append", default=[], metavar="NAME",
+                   help="campaign diagnostics, needs gemm_patch: revert, drop this target from "
+                        "gemm_patch.patcher.REGISTRY and apply again at start-up (the 'before' of a target "
+                        "that shares its switch variable, e.g. moe-te-overwrite)")
     p.add_argument("--require-patch", action="store_true",
                    help="fail at once unless gemm_patch is imported and its fsdp-wgrad target is patched")
     return p.parse_args(argv)
@@ -192,6 +213,20 @@ def build_configs(run: dict[str, Any]):
                      # megatron-core refuses biases in shared experts ("bias is not supported in
                      # the shared experts"): no linear biases in MoE models.
                      add_bias_linear=False)
+    if run.get("moe_experts") and run.get("moe_fused", "none") != "none":
+        # Issue 10: squared ReLU, the activation of 0.19's fused grouped MLP that runs on sm90
+        # (experts.py _is_fused_impl_supported: SwiGLU needs the CuTe DSL kernel). 'on' fuses
+        # FC1 + weighted activation + FC2 through TE's op fuser; the router probabilities are
+        # applied before FC2 there and after it unfused: the same product (no FC2 bias).
+        from megatron.core.activations import squared_relu
+
+        extra.update(activation_func=squared_relu, gated_linear_unit=False)
+        if run["moe_fused"] == "on":
+            extra.update(use_transformer_engine_op_fuser=True, use_fused_weighted_squared_relu=True)
+    tp, cp, ep = (int(run.get(k) or 1) for k in PARALLEL_KEYS)
+    if tp > 1 or cp > 1 or ep > 1:
+        extra.update(tensor_model_parallel_size=tp, context_parallel_size=cp, expert_model_parallel_size=ep,
+                     sequence_parallel=tp > 1 and run.get("sequence_parallel") == "on")
     if run.get("spec") == "local":  # CPU dry runs: no TE, no fused kernels
         extra.update(use_cpu_initialization=True, apply_rope_fusion=False, bias_activation_fusion=False,
                      masked_softmax_fusion=False, bias_dropout_fusion=False, persist_layer_norm=False,
@@ -218,8 +253,9 @@ def build_configs(run: dict[str, Any]):
         # MegatronFSDP forces both on for optim_grads_params; for no_shard overlap_grad_reduce
         # makes finish_grad_sync wait for the all-reduce issued in the last micro-batch's
         # backward instead of issuing a second one.
-        overlap_grad_reduce=True,
-        overlap_param_gather=True,
+        overlap_grad_reduce=run.get("overlap", "on") == "on",
+        overlap_param_gather=run.get("overlap", "on") == "on",
+        fsdp_double_buffer=run.get("double_buffer") == "on",
         # fp32: main grads and gradient communication in fp32 (the adapter maps this flag to
         # MixedPrecisionPolicy(main_grads_dtype=fp32, grad_comm_dtype=fp32)).
         # megatron-core <= 0.17 maps grad_reduce_in_fp32 to fp32 main grads; 0.19 no longer does
@@ -326,6 +362,15 @@ class PatternData:
             nxt = self.successor[self.index_of[tokens[:, t]]]
             tokens[:, t + 1] = torch.where(follow[:, t], nxt, noise[:, t])
         return tokens
+
+
+def cp_slice(x, cp_size: int, cp_rank: int):
+    """Context parallelism's split of dim 1 (megatron.core.utils.get_batch_on_this_cp_rank's
+    load-balanced zigzag, written out: its signature differs between releases)."""
+    import torch
+
+    chunks = x.chunk(2 * cp_size, dim=1)
+    return torch.cat((chunks[cp_rank], chunks[2 * cp_size - 1 - cp_rank]), dim=1).contiguous()
 
 
 # -- diagnostics contexts -----------------------------------------------------------------------
@@ -467,6 +512,14 @@ def full_gradient(param, group_cache: dict | None = None):
         return None if grad is None else grad.detach().float()
     shards = [(dim, p) for dim, p in enumerate(layout.placements) if p.is_shard()]
     shape = tuple(layout.shape)
+    if len(layout.placements) == 2:
+        # Tensor parallelism: mesh (dp, tp), the TP shard split again over DP (shard order
+        # tp first). Undo DP here; the TP shard is returned (unshard_model_parallel gathers it).
+        tp_pl = layout.placements[1]
+        if tp_pl.is_shard():
+            tp_size = layout.device_mesh.size(1)
+            shape = tuple(n // tp_size if d == tp_pl.dim else n for d, n in enumerate(shape))
+        shards = [(dim, p) for dim, p in shards if dim == 0]
     if grad is not None:
         local = grad.to_local() if isinstance(grad, DTensor) else grad
     else:
@@ -493,16 +546,66 @@ def full_gradient(param, group_cache: dict | None = None):
     return torch.cat([g[:n] for g, n in zip(gathered, counts, strict=True)]).reshape(shape)
 
 
-def dump_gradients(model, path: str, meta: dict[str, Any]) -> dict[str, Any]:
-    """Gather every parameter's full reduced gradient; rank 0 saves {name: fp32 CPU tensor}."""
+# An expert's local index in its name: TEGroupedMLP's ``experts.linear_fc1.weight3``, SequentialMLP's
+# ``experts.local_experts.3.``; with expert parallelism rank r holds experts r * local + i.
+EXPERT_INDEX = re.compile(r"(\.experts\.(?:linear_fc[12]\.(?:weight|bias)|local_experts\.))(\d+)")
+
+
+def global_expert_name(name: str, ep_rank: int, num_local: int) -> str:
+    return EXPERT_INDEX.sub(lambda m: f"{m.group(1)}{ep_rank * num_local + int(m.group(2))}", name, count=1)
+
+
+def tp_partition_dim(param) -> int | None:
+    """The dimension megatron splits this parameter along over TP ranks (None: replicated)."""
+    if getattr(param, "tensor_model_parallel", False) and getattr(param, "partition_dim", -1) >= 0:
+        return int(param.partition_dim)
+    return None
+
+
+def unshard_model_parallel(items, num_experts: int) -> dict[str, Any]:
+    """``items``: (name, tensor, tp_dim) in the same order on every rank, each tensor whole over
+    data parallelism. Returns {name: tensor} whole over TP (shards concatenated along tp_dim, in
+    TP-rank order: the TP = 1 layout, megatron's own checkpoint conversion does the same) and
+    over expert parallelism (every rank's experts under their global index), on every rank.
+    A no-op without TP and EP: the names and shapes of the TP = CP = EP = 1 model either way."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    num_local = num_experts // ep if ep else 0
+    out = {}
+    for name, t, tp_dim in items:
+        expert = EXPERT_INDEX.search(name) is not None
+        if tp > 1 and tp_dim is not None and not expert:
+            parts = [torch.empty_like(t) for _ in range(tp)]
+            dist.all_gather(parts, t.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+            t = torch.cat(parts, dim=tp_dim)
+        if ep > 1 and expert:
+            parts = [torch.empty_like(t) for _ in range(ep)]
+            dist.all_gather(parts, t.contiguous(), group=parallel_state.get_expert_model_parallel_group())
+            out.update((global_expert_name(name, r, num_local), x) for r, x in enumerate(parts))
+        else:
+            out[name] = t
+    return out
+
+
+def dump_gradients(model, path: str, meta: dict[str, Any], tp_dims: dict[str, int | None] | None = None,
+                   num_experts: int = 0) -> dict[str, Any]:
+    """Gather every parameter's full reduced gradient; rank 0 saves {name: fp32 CPU tensor}.
+    ``tp_dims``: each parameter's TP partition dimension, read before Megatron-FSDP wrapped it."""
     import torch
     import torch.distributed as dist
 
-    grads = {}
+    items = []
     for name, param in model.named_parameters():
         full = full_gradient(param)
-        if full is not None and dist.get_rank() == 0:
-            grads[strip_wrappers(name)] = full.cpu()
+        name = strip_wrappers(name)
+        if full is not None:
+            items.append((name, full, (tp_dims or {}).get(name)))
+    whole = unshard_model_parallel(items, num_experts)
+    grads = {n: t.cpu() for n, t in whole.items()} if dist.get_rank() == 0 else {}
     summary = {"path": path, "params": len(grads)}
     if dist.get_rank() == 0:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -547,6 +650,10 @@ def train_one(run: dict[str, Any], untimed_steps: int, first_in_process: bool) -
     gpt = build_gpt(run, tconfig)
     gpt.cuda(torch.cuda.current_device())
     init_hash = weights_hash(gpt)
+    tp_dims = {n: tp_partition_dim(p) for n, p in gpt.named_parameters()}  # before FSDP replaces them
+    moe_path = sorted({"fused grouped MLP (TE op fuser)" if getattr(m, "_with_fused_impl", False)
+                       else type(m).__name__ for m in gpt.modules()
+                       if type(m).__name__ in ("TEGroupedMLP", "GroupedMLP", "SequentialMLP")})
     model = FullyShardedDataParallel(config=tconfig, ddp_config=ddp_config, module=Float16Module(tconfig, gpt))
     main_grad_dtypes = _main_grad_dtypes(model)
     optimizer = get_megatron_optimizer(opt_config, [model])
@@ -582,10 +689,15 @@ def train_one(run: dict[str, Any], untimed_steps: int, first_in_process: bool) -
         # The schedule divides the returned loss by num_microbatches in place: log a copy.
         return loss, {"lm loss": loss.detach().clone()}
 
+    cp_size, cp_rank = parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
+
     def forward_step(data_iterator, model_):
         tokens = next(data_iterator)
         inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-        output = model_(inputs, position_ids, None, labels=labels)
+        pos = position_ids
+        if cp_size > 1:  # this CP rank's part of the sequence: chunks r and 2 cp - 1 - r of 2 cp
+            inputs, labels, pos = (cp_slice(x, cp_size, cp_rank) for x in (inputs, labels, position_ids))
+        output = model_(inputs, pos, None, labels=labels)
         return output, loss_func
 
     counts: dict[str, Any] = {"accumulate": 0, "overwrite": 0}
@@ -613,7 +725,8 @@ def train_one(run: dict[str, Any], untimed_steps: int, first_in_process: bool) -
                 torch.cuda.synchronize()
                 t_pause = time.perf_counter()
                 peak_before_dump = torch.cuda.max_memory_allocated()
-                dump = dump_gradients(model, run["grad_dump"], {"run": run, "world_size": world})
+                dump = dump_gradients(model, run["grad_dump"], {"run": run, "world_size": world}, tp_dims,
+                                      int(run.get("moe_experts") or 0))
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
                 paused = time.perf_counter() - t_pause
@@ -677,6 +790,7 @@ def train_one(run: dict[str, Any], untimed_steps: int, first_in_process: bool) -
         "config": run,
         "world_size": world,
         "init_hash": init_hash,
+        "moe_path": moe_path,  # the experts' implementation that ran ([] for a dense model)
         # The dtypes of Megatron-FSDP's main gradient buffers as built (fp32 expected with
         # main_grads_dtype fp32).
         "main_grad_buffer_dtypes": main_grad_dtypes,
@@ -746,6 +860,49 @@ def environment() -> dict[str, Any]:
     }
 
 
+def init_parallel(run: dict[str, Any]) -> None:
+    """megatron's model-parallel state for this run's (tp, cp, ep); pipeline parallelism 1."""
+    from megatron.core import parallel_state
+
+    tp, cp, ep = (int(run.get(k) or 1) for k in PARALLEL_KEYS)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
+                                             context_parallel_size=cp, expert_model_parallel_size=ep)
+
+
+def refusal(exc: BaseException) -> dict[str, Any]:
+    """A failed run's record: ``unsupported`` holding megatron's (or TE's) own message when the
+    exception was raised inside megatron-core or Transformer Engine (megatron refusing the
+    layout), else ``error`` (a failure of this script or of the run)."""
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = frames[-1].filename if frames else ""
+    message = f"{type(exc).__name__}: {exc}".strip()
+    tail = "".join(traceback.format_exception(exc)[-6:])
+    own = "/megatron/" in where or "/transformer_engine/" in where
+    return {("unsupported" if own else "error"): message, "raised_in": f"{where}:{frames[-1].lineno if frames else 0}",
+            "traceback_tail": tail}
+
+
+def leave_out_targets(names: list[str]) -> None:
+    """Campaign diagnostics: gemm_patch without these targets (as tests/megatron do it: revert,
+    filter patcher.REGISTRY, apply). For a target that shares its switch variable with another
+    (moe-te-overwrite shares GEMM_PATCH_TE_OVERWRITE), this is the only way to turn it off alone."""
+    import megatron.core  # noqa: F401  (under the launcher this imports and applies gemm_patch)
+
+    gp = sys.modules.get("gemm_patch")
+    if gp is None:
+        raise SystemExit("--leave-out-target needs gemm_patch in the process (gemm-patch run -- torchrun ...)")
+    from gemm_patch import patcher
+
+    unknown = set(names) - {t.name for t in patcher.REGISTRY}
+    if unknown:
+        raise SystemExit(f"--leave-out-target: no target {sorted(unknown)} in gemm_patch.patcher.REGISTRY")
+    gp.revert()
+    patcher.REGISTRY = tuple(t for t in patcher.REGISTRY if t.name not in names)
+    gp.apply()
+
+
 def check_patched() -> None:
     import megatron.core.tensor_parallel.layers  # noqa: F401  (gemm_patch patches on import)
     import torch.distributed as dist
@@ -780,7 +937,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from megatron.core import parallel_state
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    sizes = {tuple(int(r.get(k) or 1) for k in PARALLEL_KEYS) for r in runs}
+    if len(sizes) != 1:
+        raise SystemExit(f"every run of a process needs the same (tp, cp, ep); the plan has {sorted(sizes)}")
+    init_parallel(runs[0])
+    if args.leave_out_target:
+        leave_out_targets(args.leave_out_target)
     if args.require_patch:
         check_patched()
     einops_stand_in = install_mesh_helper_if_no_einops()
@@ -794,13 +956,20 @@ def main(argv: list[str] | None = None) -> int:
         "runs": [],
     }
     for i, run in enumerate(runs):
-        if run["mode"] == "autograd":
-            from autograd_oracle import run_oracle  # examples/autograd_oracle.py, next to this script
+        try:
+            if run["mode"] == "autograd":
+                from autograd_oracle import run_oracle  # examples/autograd_oracle.py, next to this script
 
-            results["runs"].append(run_oracle(run))
-            results["runs"][-1].setdefault("gemm_patch_after_wrap", None)
-        else:
-            results["runs"].append(train_one(run, args.untimed_steps, first_in_process=i == 0))
+                results["runs"].append(run_oracle(run))
+                results["runs"][-1].setdefault("gemm_patch_after_wrap", None)
+            else:
+                results["runs"].append(train_one(run, args.untimed_steps, first_in_process=i == 0))
+        except Exception as exc:  # noqa: BLE001 - recorded; the campaign reports it, the next run goes on
+            results["runs"].append({"name": run["name"], "config": run, "gemm_patch_after_wrap": None,
+                                    **refusal(exc)})
+            print(f"[{run['name']}] FAILED: {results['runs'][-1]}", flush=True)
+            gc.collect()
+            torch.cuda.empty_cache()
         if results["runs"][-1]["gemm_patch_after_wrap"] is not None:
             results["gemm_patch_after_wrap"] = results["runs"][-1]["gemm_patch_after_wrap"]
         if dist.get_rank() == 0:  # written after every run: a later crash keeps the earlier ones

@@ -64,12 +64,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import step_probe  # noqa: E402  (issue 12's memory and profile probes)
+
 RUN_KEYS = ("name", "fusion", "main_grads_dtype", "sharding", "steps", "micro_batches", "layers",
             "hidden", "seq", "vocab", "micro_batch_size", "seed", "lr", "lr_warmup_steps", "adam_beta2",
             "grad_dump", "wgrad_rule", "tied", "mtp_layers", "moe_experts", "moe_topk", "mode", "spec",
             # issue 10's layouts: model parallelism (the same for every run of a process), the 0.19
             # fused grouped MLP, Megatron-FSDP's double buffer and communication overlap
-            "tp", "cp", "ep", "sequence_parallel", "moe_fused", "double_buffer", "overlap")
+            "tp", "cp", "ep", "sequence_parallel", "moe_fused", "double_buffer", "overlap",
+            # issue 12's probes (benchmarks/step_probe.py)
+            "probe_dir", "probe_step", "te_dummy")
 PARALLEL_KEYS = ("tp", "cp", "ep")
 
 # Weights whose gradient is written by a fused wgrad GEMM straight into main_grad when
@@ -167,6 +172,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="campaign diagnostics, needs gemm_patch: revert, drop this target from "
                         "gemm_patch.patcher.REGISTRY and apply again at start-up (the 'before' of a target "
                         "that shares its switch variable, e.g. moe-te-overwrite)")
+    p.add_argument("--probe-dir", default=None,
+                   help="issue 12: memory history up to step --probe-step and a profile of the step after it "
+                        "(benchmarks/step_probe.py), written by rank 0 into this folder")
+    p.add_argument("--probe-step", type=int, default=3)
+    p.add_argument("--te-dummy", choices=("cached", "fresh"), default="cached",
+                   help="issue 12 experiment: 'fresh' makes TE's get_dummy_wgrad allocate per call instead "
+                        "of its per-shape cache (not a gemm_patch feature)")
     p.add_argument("--require-patch", action="store_true",
                    help="fail at once unless gemm_patch is imported and its fsdp-wgrad target is patched")
     return p.parse_args(argv)
@@ -647,6 +659,10 @@ def train_one(run: dict[str, Any], untimed_steps: int, first_in_process: bool) -
     torch.manual_seed(run["seed"])
     model_parallel_cuda_manual_seed(run["seed"])
 
+    probe = step_probe.StepProbe(run, rank)
+    step_probe.start_memory_history(run)
+    te_dummy_rebound = step_probe.fresh_te_dummies() if run.get("te_dummy") == "fresh" else None
+
     gpt = build_gpt(run, tconfig)
     gpt.cuda(torch.cuda.current_device())
     init_hash = weights_hash(gpt)
@@ -712,6 +728,7 @@ def train_one(run: dict[str, Any], untimed_steps: int, first_in_process: bool) -
             lr = _first_lr(optimizer)
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
+            probe.begin(step)
             t0 = time.perf_counter()
             model.zero_grad_buffer()
             optimizer.zero_grad()
@@ -733,6 +750,8 @@ def train_one(run: dict[str, Any], untimed_steps: int, first_in_process: bool) -
             update_ok, grad_norm, _ = optimizer.step()
             torch.cuda.synchronize()
             step_time = time.perf_counter() - t0 - paused
+            reserved = torch.cuda.max_memory_reserved()
+            probe.end(step)
 
             loss = torch.stack([x["lm loss"] for x in losses]).mean()
             dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=dp_group)
@@ -746,6 +765,7 @@ def train_one(run: dict[str, Any], untimed_steps: int, first_in_process: bool) -
                 "tokens_per_s": tokens_per_step / step_time,
                 "peak_mem_bytes": int(peak.item()),
                 "peak_mem_above_baseline_bytes": int(peak.item()) - mem_baseline,
+                "peak_reserved_bytes": reserved,
                 "lr": lr,
                 "grad_norm": None if grad_norm is None else float(grad_norm),
                 "update_ok": bool(update_ok),
@@ -764,6 +784,7 @@ def train_one(run: dict[str, Any], untimed_steps: int, first_in_process: bool) -
         "median_tokens_per_s": statistics.median(s["tokens_per_s"] for s in timed),
         "peak_mem_bytes": max(s["peak_mem_bytes"] for s in steps),
         "peak_mem_above_baseline_bytes": max(s["peak_mem_above_baseline_bytes"] for s in steps),
+        "peak_reserved_bytes": max(s["peak_reserved_bytes"] for s in steps),
         "mem_baseline_bytes": mem_baseline,
         # "own process": the first configuration of its process, nothing else allocated before
         # it; "baseline-subtracted": later in a shared process, where earlier configurations
@@ -798,6 +819,8 @@ def train_one(run: dict[str, Any], untimed_steps: int, first_in_process: bool) -
         "steps": steps,
         "summary": summary,
         "grad_dump": dump,
+        "probe": probe.result or None,
+        "te_dummy_rebound": te_dummy_rebound,
         "wgrad_decisions": {"output_layer_accumulate": counts["accumulate"],
                             "output_layer_overwrite": counts["overwrite"]},
         # After each unshard: parameters with a persistent main_grad whose overwrite_main_grad is

@@ -112,7 +112,6 @@ def run_slot(slot: list[dict[str, Any]], scratch: Path, limit: float, log) -> No
         env["PYTHONUNBUFFERED"] = "1"
         if task["gpus"] == 1:
             env["CUDA_VISIBLE_DEVICES"] = task["gpu"]
-            env["MASTER_PORT"] = str(29500 + int(task["gpu"]))
         task["beside"] = [t["config"] for t in slot if t is not task]
         cmd = command(task["config"], task["gpus"], tag, part, probe_dir)
         handle = open(scratch / f"{tag}.log", "w")

@@ -135,12 +135,16 @@ def run_slot(slot: list[dict[str, Any]], scratch: Path, limit: float, log) -> No
         tail = (scratch / f"{task['name']}.log").read_text(errors="replace").splitlines()[-12:]
         if task["rc"] != 0:
             task["log_tail"] = tail
+        ok = "median_step_ms" in task.get("result", {})
         log(f"{task['name']:32s} rc={task['rc']} {task['seconds']:6.1f}s beside={task['beside']} "
-            + (_line(task["result"]) if "result" in task else " | ".join(tail[-3:])))
+            + (_line(task["result"]) if ok else str(task.get("result", {}).get("error"))[:600] + " | "
+               + " | ".join(tail[-4:])))
 
 
 def summarise_part(data: dict[str, Any]) -> dict[str, Any]:
     run = data["runs"][0] if "runs" in data else data
+    if "summary" not in run:  # the run failed inside the process: keep what it said
+        return {"error": {k: v for k, v in run.items() if k not in ("config",)}}
     s = run["summary"]
     return {"median_step_ms": round(s["median_step_time_s"] * 1e3, 2),
             "tokens_per_s": round(s["median_tokens_per_s"], 1),
@@ -165,7 +169,7 @@ def merge(parts: list[Path]) -> dict[str, Any]:
     for gpus in ("1", "2"):
         for config in CONFIGS:
             done = [t for t in tasks if str(t["gpus"]) == gpus and t["config"] == config
-                    and not t.get("probe") and t.get("result")]
+                    and not t.get("probe") and "median_step_ms" in t.get("result", {})]
             if not done:
                 continue
             steps = [t["result"]["median_step_ms"] for t in done]

@@ -82,8 +82,9 @@ def schedule(part: str, rounds: int) -> list[list[dict[str, Any]]]:
     """Slots of tasks; the tasks of one slot run at once (two 1-GPU tasks, or one 2-GPU task)."""
     slots: list[list[dict[str, Any]]] = []
     if "probes" in part:
-        slots.append([{"config": "fusion_off", "gpus": 1, "probe": True, "gpu": "0"},
-                      {"config": "patched", "gpus": 1, "probe": True, "gpu": "1"}])
+        if "probes1" in part:
+            slots.append([{"config": "fusion_off", "gpus": 1, "probe": True, "gpu": "0"},
+                          {"config": "patched", "gpus": 1, "probe": True, "gpu": "1"}])
         slots += [[{"config": c, "gpus": 2, "probe": True}] for c in ("fusion_off", "patched")]
     if "extras" in part:
         slots.append([{"config": "patched_dummy_off", "gpus": 1, "gpu": "0", "round": 1},
@@ -110,6 +111,8 @@ def run_slot(slot: list[dict[str, Any]], scratch: Path, limit: float, log) -> No
         env = {k: v for k, v in os.environ.items() if not k.startswith("GEMM_PATCH")}
         env.update(CONFIGS[task["config"]]["env"])
         env["PYTHONUNBUFFERED"] = "1"
+        # gemm_patch from this checkout in the launcher and in every worker it starts.
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         if task["gpus"] == 1:
             env["CUDA_VISIBLE_DEVICES"] = task["gpu"]
         task["beside"] = [t["config"] for t in slot if t is not task]

@@ -158,11 +158,77 @@ def run_all(jobs: list[Job], deadline: float) -> None:
 
 
 def torchrun(port: int) -> list[str]:
+    """torchrun's launcher; what follows must be the training *script* (torchrun starts it with
+    ``sys.executable`` itself), never an interpreter: see check_commands."""
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1",
             "--master_addr", "127.0.0.1", "--master_port", str(port)]
 
 
 PATCH = [sys.executable, "-m", "gemm_patch", "run", "--"]
+TORCHRUN_FLAGS = {"--standalone", "--no-python", "--no_python", "-m", "--module", "--run-path", "--run_path"}
+
+
+def pretrain_cmd(port: int, name: str, iters: int, *extra: str) -> list[str]:
+    return [*torchrun(port), str(HERE / "bridge_pretrain.py"), "--iters", str(iters), "--out", str(WORK / name),
+            *extra]
+
+
+def build_jobs(a: argparse.Namespace, env: dict[str, str], bt: Path | None, skip: set[str]) -> list[Job]:
+    """Wave 1: the four pretraining runs and, with ``bt`` (Bridge's prepared tests), its tests."""
+    jobs = [
+        Job("unpatched", pretrain_cmd(29501, "unpatched", a.iters, "--dump"), ROOT, env, 29501),
+        Job("patched", [*PATCH, *pretrain_cmd(29502, "patched", a.iters, "--dump")], ROOT, env, 29502),
+        Job("off", pretrain_cmd(29503, "off", a.iters, "--dump", "--fusion", "off"), ROOT, env, 29503),
+        Job("off_repeat", pretrain_cmd(29504, "off_repeat", a.iters, "--dump", "--fusion", "off"), ROOT, env, 29504),
+    ]
+    if bt is not None:
+        pyt = [str(HERE / "pytest_rank.py")]
+        args = ["-v", "-s", "-rA", "-p", "no:cacheprovider", "-m", "not pleasefixme", "--tb=short", a.test_path]
+        for i, (name, pre) in enumerate((("tests_unpatched", []), ("tests_patched", PATCH))):
+            jobs.append(Job(name, [*pre, *torchrun(29511 + i), *pyt, str(WORK / name) + ".junit", *args],
+                            bt, env, 29511 + i))
+    return [j for j in jobs if j.name not in skip]
+
+
+def timing_job(a: argparse.Namespace, env: dict[str, str]) -> Job:
+    """Wave 2: the patched run alone, no dump, for median_step_ms."""
+    return Job("patched_timing", [*PATCH, *pretrain_cmd(29505, "patched_timing", a.iters)], ROOT, env, 29505)
+
+
+def check_commands(jobs: list[Job]) -> list[str]:
+    """What would make a job die before it starts: torchrun's first positional argument must be an
+    existing .py file (the 0.6.2 call of 2026-11-30 passed the interpreter there, and all four
+    pretraining runs died with 'SyntaxError: source code cannot contain null bytes'); gemm_patch run
+    needs ``--`` and a command; ports distinct."""
+    bad: list[str] = []
+    ports: dict[str, str] = {}
+    for j in jobs:
+        c = j.cmd
+        if j.env["MASTER_PORT"] in ports:
+            bad.append(f"{j.name}: port {j.env['MASTER_PORT']} also used by {ports[j.env['MASTER_PORT']]}")
+        ports[j.env["MASTER_PORT"]] = j.name
+        if c[1:5] == ["-m", "gemm_patch", "run", "--"] and len(c) == 5:
+            bad.append(f"{j.name}: 'gemm_patch run --' with no command")
+        elif "gemm_patch" in c and c[c.index("gemm_patch") + 1:c.index("gemm_patch") + 3] != ["run", "--"]:
+            bad.append(f"{j.name}: gemm_patch must be called as 'gemm_patch run -- COMMAND'")
+        if "torch.distributed.run" not in c:
+            bad.append(f"{j.name}: no torch.distributed.run")
+            continue
+        i = c.index("torch.distributed.run") + 1
+        while i < len(c) and c[i].startswith("-"):
+            if c[i] in ("--no-python", "--no_python", "-m", "--module"):
+                bad.append(f"{j.name}: torchrun {c[i]} is not how these jobs run")
+            i += 1 if "=" in c[i] or c[i] in TORCHRUN_FLAGS else 2
+        if i >= len(c):
+            bad.append(f"{j.name}: torchrun has no training script")
+            continue
+        script = Path(c[i]) if Path(c[i]).is_absolute() else j.cwd / c[i]
+        if script.suffix != ".py":
+            bad.append(f"{j.name}: torchrun's training script is {c[i]!r}, not a .py file "
+                       "(torchrun runs it with python itself: pass the script, not an interpreter)")
+        elif not script.is_file():
+            bad.append(f"{j.name}: torchrun's training script {script} does not exist")
+    return bad
 
 
 def read_run(name: str) -> dict:
@@ -229,6 +295,7 @@ def read_tests(name: str) -> dict:
                         out.setdefault("messages", {})[tc.get("name")] = (child.get("message") or "")[:600]
                 out[kind] += 1
                 out["tests"][tc.get("name")] = kind
+                out.setdefault("time_s", {})[tc.get("name")] = float(tc.get("time") or "nan")
             out["source"] = "junit rank 0"
             return out
         except ET.ParseError as e:
@@ -246,14 +313,29 @@ def read_tests(name: str) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", required=True, help="result JSON path (under $OUT)")
+    p.add_argument("--out", help="result JSON path (under $OUT); required unless --dry-run")
     p.add_argument("--logs", help="tar.gz of /tmp/br logs (under $OUT)")
     p.add_argument("--tests", help="folder holding Bridge's tests/ tree at the matching tag")
     p.add_argument("--test-path", default="tests/functional_tests/test_groups/megatron_fsdp")
     p.add_argument("--budget", type=float, default=480, help="seconds for everything this script does")
     p.add_argument("--iters", type=int, default=12)
     p.add_argument("--skip", default="", help="comma list of jobs to leave out (e.g. tests_unpatched)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print every job's command and check it (no GPU, no imports, nothing written); "
+                        "exit 1 on a bad command")
     a = p.parse_args()
+    skip = set(filter(None, a.skip.split(",")))
+    if a.dry_run:
+        jobs = build_jobs(a, dict(os.environ, PYTHONPATH=str(ROOT)), WORK / "bt" if a.tests else None, skip)
+        if a.tests:  # the copy prepare_tests makes; its script is ours, so checkable without it
+            print(f"(tests: {a.tests} copied to {WORK / 'bt'}, {a.test_path} fusion on)")
+        for j in [*jobs, timing_job(a, {})]:
+            print(f"{j.name} [cwd {j.cwd}]:\n  {' '.join(j.cmd)}")
+        bad = check_commands([*jobs, timing_job(a, {})])
+        print("\n".join(["command check: FAILED", *bad]) if bad else f"command check: ok ({len(jobs) + 1} jobs)")
+        return 1 if bad else 0
+    if not a.out:
+        p.error("--out is required")
     shutil.rmtree(WORK, ignore_errors=True)
     WORK.mkdir(parents=True)
     out = Path(a.out)
@@ -283,26 +365,17 @@ def main() -> int:
         res.update({"bridge_version": bv, "megatron_core": mc, "transformer_engine": te, "torch": tv,
                     "gpus": int(ngpu), "transformers": tf})
         fix_compile_helpers(env, res["notes"])
-        skip = set(filter(None, a.skip.split(",")))
-        w = [sys.executable, str(HERE / "bridge_pretrain.py"), "--iters", str(a.iters)]
-        jobs = [
-            Job("unpatched", [*torchrun(29501), *w, "--out", str(WORK / "unpatched"), "--dump"], ROOT, env, 29501),
-            Job("patched", [*PATCH, *torchrun(29502), *w, "--out", str(WORK / "patched"), "--dump"], ROOT, env, 29502),
-            Job("off", [*torchrun(29503), *w, "--out", str(WORK / "off"), "--dump", "--fusion", "off"],
-                ROOT, env, 29503),
-            Job("off_repeat", [*torchrun(29504), *w, "--out", str(WORK / "off_repeat"), "--dump", "--fusion", "off"],
-                ROOT, env, 29504),
-        ]
+        bt = None
         if a.tests:
             bt = prepare_tests(Path(a.tests).resolve(), a.test_path, res["notes"])
             res["bridge_tests_source"] = f"Megatron-Bridge {a.test_path} (copied from {a.tests}), fusion on"
-            pyt = [str(HERE / "pytest_rank.py")]
-            args = ["-v", "-s", "-rA", "-p", "no:cacheprovider", "-m", "not pleasefixme", "--tb=short", a.test_path]
-            for i, (name, pre) in enumerate((("tests_unpatched", []), ("tests_patched", PATCH))):
-                jobs.append(Job(name, [*pre, *torchrun(29511 + i), *pyt, str(WORK / name) + ".junit", *args],
-                                bt, env, 29511 + i))
-        jobs = [j for j in jobs if j.name not in skip]
+        jobs = build_jobs(a, env, bt, skip)
         res["jobs"] = {j.name: {"cmd": " ".join(j.cmd)} for j in jobs}
+        bad = check_commands([*jobs, timing_job(a, env)])
+        if bad:
+            res["command_errors"] = bad
+            save()
+            return 1
         save()
         run_all(jobs, T0 + a.budget - 45)
         res["jobs"] = {j.name: j.summary() for j in jobs}
@@ -355,11 +428,14 @@ def main() -> int:
         if a.tests:
             res["bridge_tests"] = read_tests("tests_patched") if "tests_patched" not in skip else {}
             res["bridge_tests"]["unpatched"] = read_tests("tests_unpatched") if "tests_unpatched" not in skip else {}
+            tlog = WORK / "tests_patched.log"
+            if tlog.exists():
+                res["bridge_tests"]["gemm_patch_lines"] = sorted(
+                    set(re.findall(r"\[gemm_patch\] [A-Z]+:[^\n]{0,300}", tlog.read_text(errors="replace"))))[:12]
         save()
 
         if "patched_timing" not in skip and left(a.budget) > 110 and runs.get("patched", {}).get("ok"):
-            j = Job("patched_timing", [*PATCH, *torchrun(29505), *w, "--out", str(WORK / "patched_timing")],
-                    ROOT, env, 29505)
+            j = timing_job(a, env)
             run_all([j], T0 + a.budget - 10)
             res["jobs"][j.name] = j.summary()
             t = read_run("patched_timing")

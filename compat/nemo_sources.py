@@ -9,16 +9,12 @@ into ``compat/.cache/nemo-X/``; a release already there is skipped.
 
 from __future__ import annotations
 
-import subprocess
 import sys
-import tempfile
-import zipfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CACHE = ROOT / "compat" / ".cache"
 sys.path.insert(0, str(ROOT))
+from pypi_files import CACHE, fetch_all, unpack  # noqa: E402
 
 
 def releases() -> list[str]:
@@ -31,23 +27,10 @@ def fetch(version: str) -> str:
     target = CACHE / f"nemo-{version}"
     if (target / "nemo" / "lightning").is_dir():
         return f"nemo-toolkit {version}: cached"
-    with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-                        "--disable-pip-version-check", "-d", tmp, f"nemo-toolkit=={version}"], check=True)
-        wheel = next(Path(tmp).glob("*.whl"))
-        with zipfile.ZipFile(wheel) as archive:
-            for name in archive.namelist():
-                if name.startswith("nemo/lightning/") or name == "nemo/__init__.py":
-                    archive.extract(name, target)
+    unpack(f"nemo-toolkit=={version}", target,
+           lambda name: name.startswith("nemo/lightning/") or name == "nemo/__init__.py")
     return f"nemo-toolkit {version}: unpacked nemo/lightning/"
 
 
-def main() -> int:
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        for line in pool.map(fetch, releases()):
-            print(line, flush=True)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(fetch_all(fetch, releases()))

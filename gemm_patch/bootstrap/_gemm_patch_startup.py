@@ -42,7 +42,7 @@ except ImportError:  # Python 2, started under the launcher: parse and fail in o
 # The top-level packages of the modules gemm_patch patches (gemm_patch.targets.REGISTRY;
 # tests/test_auto_pth.py checks that the two agree). Importing anything under one of these
 # imports gemm_patch; nothing else does.
-TRIGGERS = ("megatron", "megatron_fsdp", "nemo")
+TRIGGERS = ("megatron", "megatron_fsdp", "nemo", "transformer_engine")
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")

@@ -13,6 +13,7 @@ from . import (
     moe_overwrite,
     nemo_fsdp_gaf,
     shared_grad,
+    te_dummy_wgrad,
     te_overwrite,
     te_overwrite_by_strategy,
 )
@@ -26,6 +27,7 @@ REGISTRY: tuple[Target, ...] = (
     shared_grad.TARGET,
     shared_grad.STANDALONE,
     moe_overwrite.TARGET,
+    te_dummy_wgrad.TARGET,  # Transformer Engine's own layers
     # Megatron-LM main (0.20.0 before its release), pinned commit.
     fsdp_wgrad_gemm.TARGET,
     te_overwrite_by_strategy.TARGET,

@@ -166,7 +166,8 @@ def _line(r: dict[str, Any]) -> str:
 
 def merge(parts: list[Path]) -> dict[str, Any]:
     """All parts' tasks -> the issue's shape: results[gpus][config] with medians over rounds."""
-    tasks = [t for p in parts for t in json.loads(p.read_text())["tasks"]]
+    loaded = [json.loads(p.read_text()) for p in parts]
+    tasks = [t for part in loaded for t in part["tasks"]]
     results: dict[str, dict[str, Any]] = {}
     env = next((t["result"]["environment"] for t in tasks if t.get("result", {}).get("environment")), None)
     for gpus in ("1", "2"):
@@ -199,6 +200,7 @@ def merge(parts: list[Path]) -> dict[str, Any]:
     probes = {t["name"]: {"result": t.get("result", {}).get("probe"), "memory": t.get("probe_memory"),
                           "profile": t.get("probe_profile"), "rc": t.get("rc")} for t in tasks if t.get("probe")}
     return {"schema": "gemm_patch.e2e_width/1", "issue": 12, "model": MODEL,
+            "gpus": sorted({g for part in loaded for g in part.get("gpus", [])}),
             "flops_per_token": flops_per_token(MODEL), "peak_tflops_per_gpu": H200_BF16_DENSE_TFLOPS,
             "environment": env, "results": results, "probes": probes,
             "failed": [{k: t.get(k) for k in ("name", "rc", "timed_out", "log_tail")} for t in tasks if t.get("rc")],
@@ -234,6 +236,8 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     scratch.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
+    smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                         capture_output=True, text=True)
     tasks: list[dict[str, Any]] = []
     part_file = out / f"e2e_width_{args.part.replace(',', '_')}.json"
     lines: list[str] = []
@@ -249,7 +253,8 @@ def main() -> int:
             continue
         run_slot(slot, scratch, args.proc_limit, log)
         tasks += slot
-        part_file.write_text(json.dumps({"part": args.part, "tasks": tasks, "log": lines}, indent=1))
+        part_file.write_text(json.dumps({"part": args.part, "gpus": smi.stdout.strip().splitlines(),
+                                         "tasks": tasks, "log": lines}, indent=1))
     print("\n".join(lines[-40:]))
     return 0
 

@@ -29,12 +29,15 @@ layout's own model exactly as training does (same seeding: TP shards and each ex
 rank's experts get their own initial values), and the weights are gathered whole
 (``unshard_model_parallel``: TP shards concatenated along their partition dimension, experts
 under their global index). Then megatron's parallel state is rebuilt with TP = CP = EP = 1 and
-rank 0 runs a replica (the same model without sequence parallelism or the fused grouped MLP,
-which compute the same products) loaded with those weights, as above, with dp = the layout's
-data-parallel size for dense weights (micro-batches: TP and CP ranks share theirs, expert-parallel
-ranks are data-parallel ranks). CP: the replica sees whole sequences and a per-sequence mean
-loss, which is what CP's per-rank mean over half a sequence, scaled by 1 / (dp x cp) in
-Megatron-FSDP's reduction, adds up to. Afterwards the layout's parallel state is restored.
+rank 0 runs a replica (the same model without sequence parallelism, which computes the same
+products; the MoE path, fused grouped MLP or not, is the run's own: the two paths round
+differently in bf16 and a few tokens then route to other experts, 1-10 % per parameter in
+the first H200 call) loaded with those weights, as above, with dp = the layout's data-parallel
+size for dense weights (micro-batches: TP and CP ranks share theirs, expert-parallel ranks are
+data-parallel ranks). CP: the replica sees whole sequences and a per-sequence mean loss; the
+training script's CP loss is the rank's token sum over the whole sequence's token count, which
+megatron's schedule multiplies by cp and Megatron-FSDP's reduction divides by dp x cp: the same
+gradient. Afterwards the layout's parallel state is restored.
 
 The dump has the training script's ``--grad-dump`` format ({name: fp32 CPU tensor}, names
 without wrappers), so examples/compare_grads.py compares it like any other dump.
@@ -86,8 +89,7 @@ def run_oracle(run: dict[str, Any], device: str | None = None) -> dict[str, Any]
         del layout_gpt
         parallel_state.destroy_model_parallel()
         init_parallel({})  # TP = CP = EP = 1 for the replica
-        run = {**run, **{k: 1 for k in PARALLEL_KEYS}, "sequence_parallel": "off",
-               "moe_fused": "off" if run.get("moe_fused") == "on" else run.get("moe_fused", "none")}
+        run = {**run, **{k: 1 for k in PARALLEL_KEYS}, "sequence_parallel": "off"}
         result["replica"] = {k: run[k] for k in (*PARALLEL_KEYS, "sequence_parallel", "moe_fused")}
     if rank == 0:
         t0 = time.perf_counter()

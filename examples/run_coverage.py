@@ -701,7 +701,7 @@ def read_runs(results: Path) -> dict[str, Any]:
 def write_results(dest: Path, results: Path, new_rows: list[dict], runs_update: dict[str, Any]) -> list[dict]:
     """dest/coverage.json (every row: results' rows with the new ones merged in), coverage_runs.json
     (each campaign's metadata: issue 13's records and processes, issue 10's calls) and coverage.md."""
-    rows = I10.merge_rows(I10.load_rows(results / "coverage.json"), new_rows)
+    rows = I10.annotate(I10.merge_rows(I10.load_rows(results / "coverage.json"), new_rows))
     runs = read_runs(results)
     if "issue10_call" in runs_update:
         runs.setdefault("issue10", {"calls": []})["calls"].append(runs_update["issue10_call"])

@@ -72,7 +72,7 @@ RUN_KEYS = ("name", "fusion", "main_grads_dtype", "sharding", "steps", "micro_ba
             "grad_dump", "wgrad_rule", "tied", "mtp_layers", "moe_experts", "moe_topk", "mode", "spec",
             # issue 10's layouts: model parallelism (the same for every run of a process), the 0.19
             # fused grouped MLP, Megatron-FSDP's double buffer and communication overlap
-            "tp", "cp", "ep", "sequence_parallel", "moe_fused", "double_buffer", "overlap",
+            "tp", "cp", "ep", "sequence_parallel", "moe_fused", "double_buffer", "overlap", "recompute",
             # issue 12's probes (benchmarks/step_probe.py)
             "probe_dir", "probe_step", "te_dummy")
 PARALLEL_KEYS = ("tp", "cp", "ep")
@@ -168,6 +168,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--overlap", choices=("on", "off"), default="on",
                    help="overlap_grad_reduce and overlap_param_gather (Megatron-FSDP forces both on for "
                         "optim_grads_params)")
+    p.add_argument("--recompute", choices=("none", "full"), default="none",
+                   help="activation recomputation: 'full' = every transformer layer (recompute_granularity full, "
+                        "method uniform, 1 layer per chunk); issue 10's MoE 'before' needs it: the recomputed "
+                        "forward re-runs 0.19's fused-MLP hook after Megatron-FSDP's pre-backward unshard")
     p.add_argument("--leave-out-target", action="append", default=[], metavar="NAME",
                    help="campaign diagnostics, needs gemm_patch: revert, drop this target from "
                         "gemm_patch.patcher.REGISTRY and apply again at start-up (the 'before' of a target "
@@ -235,6 +239,8 @@ def build_configs(run: dict[str, Any]):
         extra.update(activation_func=squared_relu, gated_linear_unit=False)
         if run["moe_fused"] == "on":
             extra.update(use_transformer_engine_op_fuser=True, use_fused_weighted_squared_relu=True)
+    if run.get("recompute", "none") == "full":
+        extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     tp, cp, ep = (int(run.get(k) or 1) for k in PARALLEL_KEYS)
     if tp > 1 or cp > 1 or ep > 1:
         extra.update(tensor_model_parallel_size=tp, context_parallel_size=cp, expert_model_parallel_size=ep,
@@ -700,12 +706,19 @@ def train_one(run: dict[str, Any], untimed_steps: int, first_in_process: bool) -
     tokens_per_step = dp_size * m * mbs * run["seq"]
     position_ids = torch.arange(run["seq"], device="cuda").unsqueeze(0).expand(mbs, -1)
 
+    cp_size, cp_rank = parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
+
     def loss_func(output_tensor):
         loss = output_tensor.float().mean()  # every token counts (no padding)
-        # The schedule divides the returned loss by num_microbatches in place: log a copy.
-        return loss, {"lm loss": loss.detach().clone()}
-
-    cp_size, cp_rank = parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
+        logged = loss.detach().clone()  # the schedule divides the returned loss in place: log a copy
+        if cp_size > 1:
+            # megatron's convention for a 2-tuple loss: the schedule multiplies it by the CP size
+            # (pipeline_parallel/schedules.py:272 in 0.17.1, :340 in 0.19.2) and Megatron-FSDP
+            # divides the gradients by the DP x CP size, so the loss must be this rank's token sum
+            # over the whole sequence's token count: the local mean / cp. Returning the local mean
+            # (issue 10's first H200 call) doubled every gradient of cp2.
+            loss = loss / cp_size
+        return loss, {"lm loss": logged}
 
     def forward_step(data_iterator, model_):
         tokens = next(data_iterator)

@@ -138,3 +138,33 @@ def test_merge_replaces_same_keys_and_keeps_the_rest(tmp_path):
     runs = json.loads((results / "coverage_runs.json").read_text())
     assert runs["issue13"]["schema"] == "s" and runs["issue10"]["calls"] == [{"smoke": False}]
     assert "cp2" in (results / "coverage.md").read_text()
+
+
+def test_model_variants_get_their_own_autograd_oracle_and_recompute_runs_on_019_moe():
+    model = {"layers": 2}
+    plan = I10.plan_for("dp1_moe", "0.19.2", "off", model, lambda c, w, m: f"{c}.{w}.m{m}")
+    oracles = {(r["name"], r["moe_fused"]) for r in plan if r["mode"] == "autograd"}
+    assert oracles == {("off.autograd.m4", "on"), ("off.autograd.m1", "on"),
+                       ("off.autograd+unfused.m4", "off"), ("off.autograd+unfused.m1", "off")}
+    names = {r["name"] for r in plan if r["mode"] == "train"}
+    assert "off.optim_grads_params+recompute.m4" in names
+    assert I10.oracle_what("unfused") == "autograd+unfused" and I10.oracle_what("recompute") == "autograd"
+    plan17 = I10.plan_for("dp1_moe", "0.17.1", "off", model, lambda c, w, m: f"{c}.{w}.m{m}")
+    assert not any("unfused" in r["name"] or "recompute" in r["name"] for r in plan17)
+
+
+def test_known_causes_annotate_failing_rows_without_passing_them():
+    base = {"issue": 10, "release": "0.17.1", "strategy": "optim_grads_params", "variant": "", "micro_batches": 4,
+            "config": "off", "oracle": "autograd", "moe": True, "passed": False, "max_rel_diff": 1.0}
+    ep = {**base, "layout": "ep2_moe", "expert_min_norm_ratio": 2.0, "expert_max_norm_ratio": 2.0, "harness": 2}
+    cp = {**base, "layout": "cp2", "moe": False}  # first call: no 'harness' key
+    ok = {**ep, "passed": True}
+    ns = {**ep, "strategy": "no_shard"}
+    out = I10.annotate([ep, cp, ok, ns, {**cp, "harness": 2}])
+    assert out[0]["upstream"].startswith("upstream") and out[0]["passed"] is False
+    assert "harness_issue" not in out[0]
+    assert out[1]["harness_issue"].startswith("harness") and "upstream" not in out[1]
+    assert "upstream" not in out[2] and "upstream" not in out[3]
+    assert "harness_issue" not in out[4]  # a rerun's failure is not explained away
+    md = I10.markdown(out)
+    assert "upstream" in md and "Known causes" in md

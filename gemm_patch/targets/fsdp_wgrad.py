@@ -102,6 +102,13 @@ EMPTY_DUMMY = ("torch.empty(weight.main_grad.shape, dtype=input.dtype, device=to
 _SHARED_MARKS = ("_is_shared", "shared", "shared_embedding", "zero_out_wgrad")
 
 
+def capturing(tensor: Any) -> bool:
+    """Whether a CUDA graph is being captured on the current stream of ``tensor``'s device."""
+    import torch
+
+    return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def main_grad_alias(param: Any, shape: Any, dtype: Any) -> Any:
     """A ``dtype`` tensor of ``shape`` over the first bytes of ``param.main_grad``, or None.
 
@@ -122,8 +129,7 @@ def main_grad_alias(param: Any, shape: Any, dtype: Any) -> Any:
     for n in shape:
         nbytes *= n
     if (param.grad is not None or not main_grad.is_contiguous() or main_grad.device != param.device
-            or main_grad.numel() * main_grad.element_size() < nbytes
-            or (main_grad.is_cuda and torch.cuda.is_current_stream_capturing())):
+            or main_grad.numel() * main_grad.element_size() < nbytes or capturing(main_grad)):
         return None
     return main_grad.view(-1).view(torch.uint8)[:nbytes].view(dtype).view(shape)
 

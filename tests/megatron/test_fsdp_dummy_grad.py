@@ -108,6 +108,17 @@ def test_a_pending_grad_is_never_aliased(patched, cpu_dummy):
     assert main_grad_alias(plain, [4, 4], torch.bfloat16) is None  # not Megatron-FSDP's
 
 
+def test_cuda_graph_capture_gets_megatrons_dummy(patched, cpu_dummy, monkeypatch):
+    """During capture the dummy keeps megatron's (TE's cached, fixed-address) tensor."""
+    from gemm_patch.targets import fsdp_wgrad
+
+    monkeypatch.setattr(fsdp_wgrad, "capturing", lambda tensor: True)
+    weight, gbuf = megatron_fsdp_param(40, 32, distributed=False)
+    exact, seen = run_with_fsdp_hook(weight, 2)
+    assert storage_of(gbuf.data) not in seen
+    assert rel(gbuf.data.view(weight.shape), sum(exact)) < 1e-6
+
+
 def test_status_says_what_the_dummy_is(patched):
     fsdp = {t.name: t for t in gemm_patch.status().targets}["fsdp-wgrad"]
     assert fsdp.reason.endswith("dummy grad_weight: a view of main_grad"), fsdp.reason

@@ -41,6 +41,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "train_gpt_fsdp.py"
 MODEL = {"layers": 4, "hidden": 4096, "seq": 4096, "vocab": 128256, "micro_batch_size": 1,
          "micro_batches": 4, "sharding": "optim_grads_params", "steps": 10, "untimed": 2}
+# Issue 12's second model ("if it fits"): hidden 8192, 2 layers (FFN 32768), same vocabulary.
+WIDE = {**MODEL, "layers": 2, "hidden": 8192}
 FFN = 4  # train_gpt_fsdp.py builds FFN = 4 x hidden (16384 at hidden 4096)
 H200_BF16_DENSE_TFLOPS = 989.4  # NVIDIA's H200 SXM datasheet, dense bf16
 CONFIGS = {
@@ -168,6 +170,9 @@ def merge(parts: list[Path]) -> dict[str, Any]:
     """All parts' tasks -> the issue's shape: results[gpus][config] with medians over rounds."""
     loaded = [json.loads(p.read_text()) for p in parts]
     tasks = [t for part in loaded for t in part["tasks"]]
+    model = loaded[0].get("model", MODEL)  # parts before the --model option ran the base model
+    if any(part.get("model", MODEL) != model for part in loaded):
+        raise SystemExit("the parts ran different models; merge each model's parts on its own")
     results: dict[str, dict[str, Any]] = {}
     env = next((t["result"]["environment"] for t in tasks if t.get("result", {}).get("environment")), None)
     for gpus in ("1", "2"):
@@ -183,7 +188,7 @@ def merge(parts: list[Path]) -> dict[str, Any]:
                 "median_step_ms": round(med, 2), "rounds": len(done),
                 "round_median_step_ms": steps,
                 "tokens_per_s": round(tps, 1),
-                "mfu": round(flops_per_token(MODEL) * tps / (int(gpus) * H200_BF16_DENSE_TFLOPS * 1e12), 4),
+                "mfu": round(flops_per_token(model) * tps / (int(gpus) * H200_BF16_DENSE_TFLOPS * 1e12), 4),
                 "peak_gib": max(t["result"]["peak_gib"] for t in done),
                 "peak_gib_per_round": [t["result"]["peak_gib"] for t in done],
                 "peak_reserved_gib": max(t["result"]["peak_reserved_gib"] for t in done),
@@ -199,9 +204,9 @@ def merge(parts: list[Path]) -> dict[str, Any]:
                 r["step_vs_bf16_grads"] = round(r["median_step_ms"] / base["bf16_grads"]["median_step_ms"], 4)
     probes = {t["name"]: {"result": t.get("result", {}).get("probe"), "memory": t.get("probe_memory"),
                           "profile": t.get("probe_profile"), "rc": t.get("rc")} for t in tasks if t.get("probe")}
-    return {"schema": "gemm_patch.e2e_width/1", "issue": 12, "model": MODEL,
+    return {"schema": "gemm_patch.e2e_width/1", "issue": 12, "model": model,
             "gpus": sorted({g for part in loaded for g in part.get("gpus", [])}),
-            "flops_per_token": flops_per_token(MODEL), "peak_tflops_per_gpu": H200_BF16_DENSE_TFLOPS,
+            "flops_per_token": flops_per_token(model), "peak_tflops_per_gpu": H200_BF16_DENSE_TFLOPS,
             "environment": env, "results": results, "probes": probes,
             "failed": [{k: t.get(k) for k in ("name", "rc", "timed_out", "log_tail")} for t in tasks if t.get("rc")],
             "tasks": [_task_record(t) for t in tasks]}
@@ -221,6 +226,8 @@ def main() -> int:
     p.add_argument("--deadline", type=float, default=480, help="no process starts after this many seconds")
     p.add_argument("--proc-limit", type=float, default=110)
     p.add_argument("--scratch", default="/tmp/e2e_width")
+    p.add_argument("--model", choices=("base", "wide"), default="base",
+                   help="base: hidden 4096, 4 layers; wide: hidden 8192, 2 layers (issue 12's second model)")
     p.add_argument("--merge", nargs="*", help="part JSONs to merge (no run)")
     p.add_argument("--write", help="with --merge: the merged JSON")
     args = p.parse_args()
@@ -232,6 +239,8 @@ def main() -> int:
                 print(f"{gpus} GPU  {name:18s} {r['median_step_ms']:8.1f} ms  peak {r['peak_gib']:7.3f} GiB  "
                       f"vs off {r.get('step_vs_fusion_off')}  dpeak {r.get('peak_minus_fusion_off_gib')}")
         return 0
+    if args.model == "wide":
+        MODEL.update(WIDE)
     out, scratch = Path(args.out), Path(args.scratch)
     out.mkdir(parents=True, exist_ok=True)
     scratch.mkdir(parents=True, exist_ok=True)
@@ -239,7 +248,7 @@ def main() -> int:
     smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
                          capture_output=True, text=True)
     tasks: list[dict[str, Any]] = []
-    part_file = out / f"e2e_width_{args.part.replace(',', '_')}.json"
+    part_file = out / f"e2e_width_{args.model}_{args.part.replace(',', '_')}.json"
     lines: list[str] = []
 
     def log(msg: str) -> None:
@@ -253,7 +262,7 @@ def main() -> int:
             continue
         run_slot(slot, scratch, args.proc_limit, log)
         tasks += slot
-        part_file.write_text(json.dumps({"part": args.part, "gpus": smi.stdout.strip().splitlines(),
+        part_file.write_text(json.dumps({"part": args.part, "model": MODEL, "gpus": smi.stdout.strip().splitlines(),
                                          "tasks": tasks, "log": lines}, indent=1))
     print("\n".join(lines[-40:]))
     return 0

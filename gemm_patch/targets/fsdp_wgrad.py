@@ -102,11 +102,13 @@ EMPTY_DUMMY = ("torch.empty(weight.main_grad.shape, dtype=input.dtype, device=to
 _SHARED_MARKS = ("_is_shared", "shared", "shared_embedding", "zero_out_wgrad")
 
 
-def capturing(tensor: Any) -> bool:
-    """Whether a CUDA graph is being captured on the current stream of ``tensor``'s device."""
+def view_forbidden(tensor: Any) -> bool:
+    """Whether a CUDA graph is being captured on the current stream of ``tensor``'s device, or
+    autograd's anomaly mode is on (it checks returned gradients for NaN: the view shows
+    main_grad's bits as bf16, and the low half of an fp32 number can read as NaN)."""
     import torch
 
-    return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
+    return (tensor.is_cuda and torch.cuda.is_current_stream_capturing()) or torch.is_anomaly_enabled()
 
 
 def main_grad_alias(param: Any, shape: Any, dtype: Any) -> Any:
@@ -118,7 +120,7 @@ def main_grad_alias(param: Any, shape: Any, dtype: Any) -> Any:
     main_grad through the view, so it is given only where nothing writes there: a Megatron-FSDP
     parameter (``_gbuf``) that carries no mark of a second use, with no ``.grad`` pending from an
     earlier use, outside CUDA-graph capture (where megatron's own dummy keeps its fixed address),
-    over a contiguous main_grad on the same device that holds at least as many bytes."""
+    outside anomaly mode, over a contiguous main_grad on the same device that holds at least as many bytes."""
     attrs = getattr(param, "__dict__", {})
     main_grad = attrs.get("main_grad")
     if attrs.get("_gbuf") is None or main_grad is None or any(attrs.get(m) for m in _SHARED_MARKS):
@@ -129,7 +131,7 @@ def main_grad_alias(param: Any, shape: Any, dtype: Any) -> Any:
     for n in shape:
         nbytes *= n
     if (param.grad is not None or not main_grad.is_contiguous() or main_grad.device != param.device
-            or main_grad.numel() * main_grad.element_size() < nbytes or capturing(main_grad)):
+            or main_grad.numel() * main_grad.element_size() < nbytes or view_forbidden(main_grad)):
         return None
     return main_grad.view(-1).view(torch.uint8)[:nbytes].view(dtype).view(shape)
 

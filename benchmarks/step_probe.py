@@ -35,27 +35,22 @@ def start_memory_history(run: dict[str, Any]) -> None:
 
 
 def fresh_te_dummies() -> list[str]:
-    """The experiment: every module that bound TE's ``get_dummy_wgrad`` gets one that allocates
-    per call (zeros where asked), except during CUDA-graph capture."""
+    """The experiment: every module that bound TE's ``get_dummy_wgrad`` gets gemm_patch's
+    per-call one (te-dummy-wgrad's, which that target gives only to Linear/LayerNormLinear).
+    Runs under gemm_patch (a patched configuration): importing it applies it."""
     import sys
-
-    import torch
 
     base = sys.modules.get("transformer_engine.pytorch.module.base")
     if base is None:
         return []
+    from gemm_patch.targets.te_dummy_wgrad import per_call_dummy
+
     cached = base.get_dummy_wgrad
-
-    def get_dummy_wgrad(shape, dtype, zero=False):
-        if torch.cuda.is_current_stream_capturing():
-            return cached(shape, dtype, zero=zero)
-        make = torch.zeros if zero else torch.empty
-        return make(shape, dtype=dtype, device="cuda", requires_grad=False)
-
+    replacement = per_call_dummy(cached)
     rebound = []
     for name, module in list(sys.modules.items()):
         if module is not None and getattr(module, "__dict__", {}).get("get_dummy_wgrad") is cached:
-            module.get_dummy_wgrad = get_dummy_wgrad
+            module.get_dummy_wgrad = replacement
             rebound.append(name)
     base._dummy_wgrads.clear()
     return rebound

@@ -60,12 +60,10 @@ def megatron_fsdp_param(out_features: int, in_features: int, *, distributed: boo
     return weight, gbuf
 
 
-def run_micro_batches(weight, n: int, tokens: int = 48, seed: int = 1):
-    """Forward + backward ``n`` micro-batches through megatron's fused-wgrad function, with the
-    part of Megatron-FSDP's post-backward hook (``_grad_acc``) that touches these attributes;
-    returns each micro-batch's exact weight gradient."""
+def backward_micro_batches(weight, n: int, tokens: int = 48, seed: int = 1):
+    """Forward + backward ``n`` micro-batches through megatron's fused-wgrad function, yielding
+    each micro-batch's exact weight gradient after its backward."""
     gen = torch.Generator().manual_seed(seed)
-    exact = []
     for _ in range(n):
         x = torch.randn(tokens, weight.shape[1], generator=gen).to(torch.bfloat16).requires_grad_()
         y = layers.linear_with_grad_accumulation_and_async_allreduce(
@@ -74,7 +72,15 @@ def run_micro_batches(weight, n: int, tokens: int = 48, seed: int = 1):
         )
         grad_out = torch.randn(y.shape, generator=gen).to(torch.bfloat16)
         y.backward(grad_out)
-        exact.append(grad_out.double().t() @ x.detach().double())
+        yield grad_out.double().t() @ x.detach().double()
+
+
+def run_micro_batches(weight, n: int, tokens: int = 48, seed: int = 1):
+    """``backward_micro_batches`` with the part of Megatron-FSDP's post-backward hook
+    (``_grad_acc``) that touches these attributes; returns each micro-batch's exact weight gradient."""
+    exact = []
+    for grad in backward_micro_batches(weight, n, tokens, seed):
+        exact.append(grad)
         assert weight.grad_added_to_main_grad, "the layer did not take the fused path"
         # _grad_acc: the fused path already wrote main_grad; drop the dummy .grad and reset.
         weight.grad = None

@@ -14,8 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import APPLICABLE, layers, torch
-from test_fsdp_accumulate import megatron_fsdp_param, rel
+from conftest import APPLICABLE, torch
+from test_fsdp_accumulate import backward_micro_batches, megatron_fsdp_param, rel
 from test_safety import run
 
 import gemm_patch
@@ -39,18 +39,10 @@ def run_with_fsdp_hook(weight, n: int, seed: int = 1, tokens: int = 48):
         param.grad_added_to_main_grad = False
 
     handle = weight.register_post_accumulate_grad_hook(grad_acc)
-    gen = torch.Generator().manual_seed(seed)
     exact = []
     try:
-        for _ in range(n):
-            x = torch.randn(tokens, weight.shape[1], generator=gen).to(torch.bfloat16).requires_grad_()
-            y = layers.linear_with_grad_accumulation_and_async_allreduce(
-                x, weight, None, gradient_accumulation_fusion=True, allreduce_dgrad=False,
-                sequence_parallel=False,
-            )
-            grad_out = torch.randn(y.shape, generator=gen).to(torch.bfloat16)
-            y.backward(grad_out)
-            exact.append(grad_out.double().t() @ x.detach().double())
+        for grad in backward_micro_batches(weight, n, tokens, seed):
+            exact.append(grad)
             assert weight.grad is None, "the hook did not drop the dummy"
     finally:
         handle.remove()
@@ -145,7 +137,7 @@ import sys; sys.path[:0] = [{str(Path(__file__).parent)!r}]
 import torch; torch.cuda.current_device = lambda: "cpu"
 import gemm_patch; gemm_patch.apply()
 from test_fsdp_dummy_grad import run_with_fsdp_hook, storage_of
-from test_fsdp_accumulate import megatron_fsdp_param, rel
+from test_fsdp_accumulate import backward_micro_batches, megatron_fsdp_param, rel
 from test_safety import run
 weight, gbuf = megatron_fsdp_param(40, 32, distributed=False)
 exact, seen = run_with_fsdp_hook(weight, 2)

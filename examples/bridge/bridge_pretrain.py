@@ -20,16 +20,18 @@ Bridge's forward/backward and ``finalize_model_grads`` and before the update, ev
 reduced gradient is gathered over the ranks and saved (``examples/train_gpt_fsdp.py``
 ``dump_gradients``, the format ``examples/compare_grads.py`` reads). Rank 0 writes OUT/result.json;
 any exception (also SystemExit) is written to OUT/result.rankR.json with its traceback, then the
-process exits 1 so that torchrun ends the other ranks.
+process exits 1 so that torchrun ends the other ranks. Both are written atomically (``write_atomic``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -52,6 +54,24 @@ def parse() -> argparse.Namespace:
     p.add_argument("--gbs", type=int, default=16, help="16 with mbs 2 on 2 GPUs: 4 micro-batches a step")
     p.add_argument("--seed", type=int, default=1234)
     return p.parse_args()
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write a temp file in the same folder, then ``os.replace``: a rank killed mid-write (torchrun
+    SIGTERMs the others when one rank fails) leaves no file or the whole one, never an empty one
+    (the 0.6.2 unpatched run of 2026-11-30 left a 0-byte result.rank0.json)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def build_config(a: argparse.Namespace):
@@ -188,7 +208,7 @@ def main() -> int:
         except Exception as e:  # noqa: BLE001
             rec["gemm_patch_status"] = f"status() raised {e!r}"
     name = "result.json" if rank == 0 and rec["ok"] else f"result.rank{rank}.json"
-    (out / name).write_text(json.dumps(rec, indent=1, default=str))
+    write_atomic(out / name, json.dumps(rec, indent=1, default=str))
     sys.stdout.flush()
     sys.stderr.flush()
     if not rec["ok"]:

@@ -17,8 +17,10 @@ examples/bridge/README.md. Jobs, each ``torchrun --nproc_per_node 2`` on its own
 
 Gradient parity: per parameter rel = ||g - g_off|| / ||g_off|| (examples/compare_grads.py), pass
 when rel <= max(2^-7, 3 x rel(off_repeat, off)), the bound of examples/run_coverage.py. Every job
-has a timeout inside --budget; the JSON is rewritten after each stage, so a cut-off run leaves
-what it had. Logs go to /tmp/br/*.log and, compressed, next to the JSON (--logs).
+has a timeout inside --budget; the JSON is rewritten (atomically) after each stage, so a cut-off run
+leaves what it had, and each stage after wave 1 runs on its own (``postprocess``, ``guarded``): an
+unreadable result of one job stops none of the others. Logs go to /tmp/br/*.log and, compressed,
+next to the JSON (--logs); merge_results.py rebuilds a stopped driver's record from them.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+from bridge_pretrain import write_atomic  # noqa: E402
+
 WORK = Path("/tmp/br")
 NOISE_FACTOR, BOUND = 3.0, 2.0 ** -7
 T0 = time.monotonic()
@@ -231,33 +236,67 @@ def check_commands(jobs: list[Job]) -> list[str]:
     return bad
 
 
-def read_run(name: str) -> dict:
-    d = WORK / name
+def read_run(name: str, work: Path | None = None) -> dict:
+    """A pretraining job's record: result.json (rank 0, success), else the first readable
+    result.rankR.json. An empty or cut-off file (a rank killed while writing: torchrun SIGTERMs the
+    other ranks when one fails, and the 0.6.2 call of 2026-11-30 left a 0-byte result.rank0.json
+    that stopped the whole driver) is passed over and named in ``result_file_notes``; with none
+    readable, the 'no result' record says why."""
+    work = work or WORK
+    d, notes = work / name, []
     for f in [d / "result.json", *sorted(d.glob("result.rank*.json"))]:
-        if f.exists():
-            return json.loads(f.read_text())
-    log = WORK / f"{name}.log"
+        if not f.exists():
+            continue
+        text = f.read_text(errors="replace")
+        if not text.strip():
+            notes.append(f"{f.name} is empty ({len(text)} bytes): the rank was killed while writing")
+            continue
+        try:
+            r = json.loads(text)
+        except json.JSONDecodeError as e:
+            notes.append(f"{f.name} is cut off or not JSON ({len(text)} bytes, {e}): "
+                         "the rank was killed while writing")
+            continue
+        if not isinstance(r, dict):
+            notes.append(f"{f.name} holds no record ({type(r).__name__})")
+            continue
+        return {**r, "result_file_notes": notes} if notes else r
+    log = work / f"{name}.log"
     tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
-    return {"ok": False, "error": "no result file (killed or crashed before writing)", "log_tail": tail}
+    why = "; ".join(notes) if notes else "no result file (killed or crashed before writing)"
+    return {"ok": False, "error": why, "log_tail": tail, **({"result_file_notes": notes} if notes else {})}
 
 
 def first_error(log: Path) -> str | None:
     if not log.exists():
         return None
     text = log.read_text(errors="replace")
-    hits = re.findall(r"^(?:\[rank\d+\]: )?((?:[A-Za-z_.]*Error|AssertionError|Exception)[^\n]{0,400})$", text, re.M)
-    return hits[0] if hits else None
+    hits = re.findall(r"^(?:\[rank\d+\]: )?((?:[A-Za-z_.]*Error|Exception)[^\n]*)$", text, re.M)
+    hits = [h for h in hits if "ChildFailedError" not in h]  # torchrun's wrapper, never the cause
+    return hits[0][:800] if hits else None
 
 
-def grad_parity(got: str, ref: str, rep: str | None) -> dict:
+def failed_outcome(r: dict, log: Path) -> str:
+    """A failed run in one line: its exception, where it was raised (the last two frames of its
+    traceback) and, if the log shows another, the log's first error."""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\w+)', r.get("traceback") or r.get("traceback_tail") or "")
+    at = [f"{re.sub(r'^.*?/(?=megatron/)', '', f)}:{n} ({fn})" for f, n, fn in frames[-2:]]
+    where = f" (raised at {at[-1]}, called from {at[0]})" if len(at) == 2 else f" (raised at {at[0]})" if at else ""
+    fe = first_error(log)
+    also = f" | first error in log: {fe}" if fe and fe.split(":")[0] not in (r.get("error") or "") else ""
+    return f"{r.get('error')}{where}{also}"
+
+
+def grad_parity(got: str, ref: str, rep: str | None, work: Path | None = None) -> dict:
     import torch
     from compare_grads import param_kind, relative
 
     def load(p):
         return torch.load(p, map_location="cpu", weights_only=False)["grads"]
 
-    g, r = load(WORK / got / "grads.pt"), load(WORK / ref / "grads.pt")
-    n = load(WORK / rep / "grads.pt") if rep and (WORK / rep / "grads.pt").exists() else None
+    work = work or WORK
+    g, r = load(work / got / "grads.pt"), load(work / ref / "grads.pt")
+    n = load(work / rep / "grads.pt") if rep and (work / rep / "grads.pt").exists() else None
     rows = []
     for name in sorted(r):
         if name not in g:
@@ -282,9 +321,10 @@ def grad_parity(got: str, ref: str, rep: str | None) -> dict:
             "extra_in_got": sorted(set(g) - set(r)), "by_kind": by_kind, "worst": worst}
 
 
-def read_tests(name: str) -> dict:
+def read_tests(name: str, work: Path | None = None) -> dict:
+    work = work or WORK
     out: dict = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0, "tests": {}}
-    xml = WORK / f"{name}.junit.rank0.xml"
+    xml = work / f"{name}.junit.rank0.xml"
     if xml.exists():
         try:
             for tc in ET.parse(xml).getroot().iter("testcase"):
@@ -300,7 +340,7 @@ def read_tests(name: str) -> dict:
             return out
         except ET.ParseError as e:
             out["junit_error"] = str(e)
-    log = WORK / f"{name}.log"
+    log = work / f"{name}.log"
     text = log.read_text(errors="replace") if log.exists() else ""
     for test, outcome in re.findall(r"::(test_\w+) (PASSED|FAILED|SKIPPED|ERROR)", text):
         if test not in out["tests"]:
@@ -309,6 +349,104 @@ def read_tests(name: str) -> dict:
             out[key] += 1
     out["source"] = "log (no junit: killed or crashed)"
     return out
+
+
+RUNS = ("unpatched", "patched", "off", "off_repeat")
+
+
+def guarded(res: dict, stage: str, fn, *args):
+    """One post-processing stage: its exception goes to ``stage_errors`` and the next stage runs
+    (the 0.6.2 call of 2026-11-30 lost gradient parity and patched_timing to one unreadable file)."""
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001 - the other stages still run
+        res.setdefault("stage_errors", {})[stage] = f"{type(e).__name__}: {e}"
+        return None
+
+
+def run_block(r: dict) -> dict:
+    return {
+        "ok": r.get("ok"), "error": r.get("error"), "losses": r.get("losses"),
+        "median_step_ms_concurrent": r.get("median_step_ms"),
+        "fusion_in_model": r.get("gradient_accumulation_fusion_in_model"),
+        "steps": len(r.get("steps") or []), "import_s": r.get("import_s"), "wall_s": r.get("wall_s"),
+        **({"traceback_tail": (r.get("traceback") or "")[-2500:]} if not r.get("ok") else {}),
+        **{k: r[k] for k in ("gemm_patch_status", "log_tail", "result_file_notes") if r.get(k)},
+    }
+
+
+def max_abs_diff(a: list | None, b: list | None) -> float | None:
+    if a and b and len(a) == len(b) and None not in a + b:
+        return max(abs(x - y) for x, y in zip(a, b, strict=True))
+    return None
+
+
+def gemm_patch_lines(log: Path) -> list[str]:
+    text = log.read_text(errors="replace") if log.exists() else ""
+    return sorted(set(re.findall(r"\[gemm_patch\] [A-Z]+:[^\n]{0,300}", text)))[:12]
+
+
+def postprocess(res: dict, work: Path, skip: set[str] = frozenset(), tests: bool = False,
+                parity: bool = True) -> dict:
+    """Everything wave 1 left in ``work``, into ``res``: each run's record, loss differences vs
+    fusion off, gradient parity (``parity``: the grads.pt dumps are there), the unpatched outcome,
+    Bridge's tests. Every stage is ``guarded``. merge_results.py runs it on a logs tgz too."""
+    runs: dict = {}
+    for n in (n for n in RUNS if n not in skip):
+        runs[n] = guarded(res, f"read {n}", read_run, n, work) or {
+            "ok": False, "error": f"result not read: {res['stage_errors'][f'read {n}']}"}
+        res[n] = run_block(runs[n])
+    if "patched" in res:
+        res["patched"]["gemm_patch_lines"] = gemm_patch_lines(work / "patched.log")
+    off = runs.get("off") or {}
+    for n in ("unpatched", "patched"):
+        if parity and (runs.get(n) or {}).get("ok") and off.get("ok"):
+            rep = "off_repeat" if (runs.get("off_repeat") or {}).get("ok") else None
+            gp = guarded(res, f"grad parity {n}", grad_parity, n, "off", rep, work)
+            if gp is not None:
+                (res if n == "patched" else res[n])["grad_parity"] = gp
+        d = max_abs_diff((runs.get(n) or {}).get("losses"), off.get("losses"))
+        if d is not None:
+            res[n]["loss_max_abs_diff_vs_off"] = d
+    d = max_abs_diff(off.get("losses"), (runs.get("off_repeat") or {}).get("losses"))
+    if d is not None:
+        res["off"]["loss_max_abs_diff_off_repeat"] = d
+
+    u = runs.get("unpatched") or {}
+    if not u:
+        res["unpatched_outcome"] = "not run"
+    elif not u.get("ok"):
+        res["unpatched_outcome"] = guarded(res, "unpatched outcome", failed_outcome, u, work / "unpatched.log")
+    else:
+        gp = res["unpatched"].get("grad_parity") or {}
+        res["unpatched_outcome"] = (
+            f"trained {res['unpatched']['steps']} steps "
+            f"(fusion in model: {u.get('gradient_accumulation_fusion_in_model')}); "
+            f"step-1 gradients vs fusion off: {'pass' if gp.get('passed') else 'FAIL'} "
+            f"(max rel {gp.get('max_rel_diff')}, worst {[x['name'] for x in gp.get('worst', [])[:3]]})")
+    if tests:
+        def tests_of(n: str) -> dict:
+            return {} if n in skip else guarded(res, n, read_tests, n, work) or {}
+
+        bt = res["bridge_tests"] = tests_of("tests_patched")
+        bt["unpatched"] = tests_of("tests_unpatched")
+        bt["gemm_patch_lines"] = gemm_patch_lines(work / "tests_patched.log")
+    return runs
+
+
+def timing_stage(a: argparse.Namespace, env: dict[str, str], skip: set[str], runs: dict, res: dict) -> None:
+    """Wave 2: patched_timing alone for median_step_ms; without it, wave 1's concurrent median."""
+    if "patched_timing" not in skip and left(a.budget) > 110 and (runs.get("patched") or {}).get("ok"):
+        j = timing_job(a, env)
+        run_all([j], T0 + a.budget - 10)
+        res["jobs"][j.name] = j.summary()
+        t = read_run("patched_timing")
+        res["patched"]["median_step_ms"] = t.get("median_step_ms")
+        res["patched"]["timing_losses"] = t.get("losses")
+        res["patched"]["median_step_ms_source"] = "patched_timing, alone on the GPUs, steps 3+"
+    elif "patched" in res:
+        res["patched"]["median_step_ms"] = res["patched"].get("median_step_ms_concurrent")
+        res["patched"]["median_step_ms_source"] = "wave 1, concurrent with 5 other jobs on the same GPUs"
 
 
 def main() -> int:
@@ -344,11 +482,12 @@ def main() -> int:
 
     def save() -> None:
         res["elapsed_s"] = round(time.monotonic() - T0, 1)
-        out.write_text(json.dumps(res, indent=1, default=str))
+        write_atomic(out, json.dumps(res, indent=1, default=str))
         if a.logs:
-            with tarfile.open(a.logs, "w:gz") as t:
+            with tarfile.open(f"{a.logs}.tmp", "w:gz") as t:
                 for f in sorted(WORK.glob("*.log")) + sorted(WORK.glob("*/result*.json")) + sorted(WORK.glob("*.xml")):
                     t.add(f, arcname=str(f.relative_to(WORK)))
+            os.replace(f"{a.logs}.tmp", a.logs)
 
     try:
         env = base_env()
@@ -380,71 +519,9 @@ def main() -> int:
         run_all(jobs, T0 + a.budget - 45)
         res["jobs"] = {j.name: j.summary() for j in jobs}
 
-        runs = {n: read_run(n) for n in ("unpatched", "patched", "off", "off_repeat") if n not in skip}
-        for n, r in runs.items():
-            res[n] = {
-                "ok": r.get("ok"), "error": r.get("error"), "losses": r.get("losses"),
-                "median_step_ms_concurrent": r.get("median_step_ms"),
-                "fusion_in_model": r.get("gradient_accumulation_fusion_in_model"),
-                "steps": len(r.get("steps", [])), "import_s": r.get("import_s"), "wall_s": r.get("wall_s"),
-                **({"traceback_tail": r.get("traceback", "")[-2500:]} if not r.get("ok") else {}),
-                **({"gemm_patch_status": r.get("gemm_patch_status")} if r.get("gemm_patch_status") else {}),
-                **({"log_tail": r["log_tail"]} if "log_tail" in r else {}),
-            }
-        plog = WORK / "patched.log"
-        if plog.exists():
-            res.setdefault("patched", {})["gemm_patch_lines"] = sorted(
-                set(re.findall(r"\[gemm_patch\] [A-Z]+:[^\n]{0,300}", plog.read_text(errors="replace"))))[:12]
+        runs = postprocess(res, WORK, skip, bool(a.tests))
         save()
-
-        for n in ("unpatched", "patched"):
-            if runs.get(n, {}).get("ok") and runs.get("off", {}).get("ok"):
-                try:
-                    gp = grad_parity(n, "off", "off_repeat" if runs.get("off_repeat", {}).get("ok") else None)
-                    if n == "patched":
-                        res["grad_parity"] = gp
-                    else:
-                        res["unpatched"]["grad_parity"] = gp
-                except Exception as e:  # noqa: BLE001
-                    res["notes"].append(f"grad parity {n}: {type(e).__name__}: {e}")
-            lo, lx = (runs.get("off") or {}).get("losses"), (runs.get(n) or {}).get("losses")
-            if lo and lx and len(lo) == len(lx) and None not in lo + lx:
-                res[n]["loss_max_abs_diff_vs_off"] = max(abs(x - y) for x, y in zip(lx, lo, strict=True))
-        lo, lr = (runs.get("off") or {}).get("losses"), (runs.get("off_repeat") or {}).get("losses")
-        if lo and lr and len(lo) == len(lr) and None not in lo + lr:
-            res["off"]["loss_max_abs_diff_off_repeat"] = max(abs(x - y) for x, y in zip(lo, lr, strict=True))
-
-        u = runs.get("unpatched", {})
-        if not u:
-            res["unpatched_outcome"] = "not run"
-        elif not u.get("ok"):
-            res["unpatched_outcome"] = f"{u.get('error')} | first error in log: {first_error(WORK / 'unpatched.log')}"
-        else:
-            gp = res["unpatched"].get("grad_parity") or {}
-            res["unpatched_outcome"] = (
-                f"trained {u.get('steps')} steps (fusion in model: {u.get('gradient_accumulation_fusion_in_model')}); "
-                f"step-1 gradients vs fusion off: {'pass' if gp.get('passed') else 'FAIL'} "
-                f"(max rel {gp.get('max_rel_diff')}, worst {[x['name'] for x in gp.get('worst', [])[:3]]})")
-        if a.tests:
-            res["bridge_tests"] = read_tests("tests_patched") if "tests_patched" not in skip else {}
-            res["bridge_tests"]["unpatched"] = read_tests("tests_unpatched") if "tests_unpatched" not in skip else {}
-            tlog = WORK / "tests_patched.log"
-            if tlog.exists():
-                res["bridge_tests"]["gemm_patch_lines"] = sorted(
-                    set(re.findall(r"\[gemm_patch\] [A-Z]+:[^\n]{0,300}", tlog.read_text(errors="replace"))))[:12]
-        save()
-
-        if "patched_timing" not in skip and left(a.budget) > 110 and runs.get("patched", {}).get("ok"):
-            j = timing_job(a, env)
-            run_all([j], T0 + a.budget - 10)
-            res["jobs"][j.name] = j.summary()
-            t = read_run("patched_timing")
-            res["patched"]["median_step_ms"] = t.get("median_step_ms")
-            res["patched"]["timing_losses"] = t.get("losses")
-            res["patched"]["median_step_ms_source"] = "patched_timing, alone on the GPUs, steps 3+"
-        elif "patched" in res:
-            res["patched"]["median_step_ms"] = res["patched"].get("median_step_ms_concurrent")
-            res["patched"]["median_step_ms_source"] = "wave 1, concurrent with 5 other jobs on the same GPUs"
+        guarded(res, "patched_timing", timing_stage, a, env, skip, runs, res)
     except Exception as e:  # noqa: BLE001 - partial JSON is the point
         import traceback
 

@@ -351,10 +351,12 @@ def markdown(rows: list[dict]) -> str:
     if befores:
         lines += ["", f"`before` (without `{LEFT_OUT}`) vs fusion_off, expert weights' norm ratio per strategy: "
                   + "; ".join(f"{a} {b} {c} {lo:.3f}-{hi:.3f}" for (a, b, c), (lo, hi) in sorted(befores.items()))
-                  + ". Without activation recomputation Megatron-FSDP's pre-backward unshard (fsdp-te-overwrite's "
-                    "reset) runs after the fused MLP's pre-forward hook and before the backward that reads the "
-                    "flag, and no_shard never sets the flag: only `+recompute` (the hook re-runs inside the "
-                    "backward) can show the MoE target's bug."]
+                  + ". Under optim_grads_params the TransformerLayer is a Megatron-FSDP unit whose pre-backward "
+                    "unshard (fsdp-te-overwrite's reset) runs after every forward of the layer, the recomputed one "
+                    "of `+recompute` included (that forward registers it), and before the experts' backward, where "
+                    "TE's op fuser reads the flag; no_shard never sets it. Strategies without units (optim, "
+                    "optim_grads) have no pre-backward unshard: there the source predicts the MoE target's bug "
+                    "(not run yet; docs/research/issue10.md)."]
     failing = sorted({(r["release"], r["layout"], r["config"], r["oracle"], r.get("worst_param") or r.get("error"),
                        "upstream" if r.get("upstream") else "harness" if r.get("harness_issue") else "open")
                       for r in mine if r.get("passed") is False and r.get("config") != "before"})

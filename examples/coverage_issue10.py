@@ -43,7 +43,9 @@ LAYOUTS: dict[str, dict[str, Any]] = {
             "variants": {"optim_grads_params": ("double_buffer",), "optim_grads": ("no_overlap",)}},
     "tp2_sp": {"gpus": 2, "tp": 2, "sequence_parallel": "on", "strategies": ("optim_grads_params", "no_shard")},
     "cp2": {"gpus": 2, "cp": 2, "strategies": ("optim_grads_params", "no_shard")},
-    "dp1_moe": {"gpus": 1, "moe_experts": 8, "strategies": ("optim_grads_params", "no_shard"),
+    # optim / optim_grads: no FSDP units, so no pre-backward unshard resets the fused MLP's flag
+    # before TE reads it: where moe-te-overwrite's bug can show (docs/research/issue10.md)
+    "dp1_moe": {"gpus": 1, "moe_experts": 8, "strategies": ("optim_grads_params", "no_shard", "optim_grads", "optim"),
                 "variants_0.19": {"optim_grads_params": ("unfused", "recompute")}},
     "ep2_moe": {"gpus": 2, "ep": 2, "moe_experts": 8, "strategies": ("optim_grads_params", "no_shard"),
                 "variants_0.19": {"optim_grads_params": ("unfused", "recompute")}},

@@ -17,7 +17,8 @@ Extras, one round each: ``patched_dummy_off`` (GEMM_PATCH_FSDP_DUMMY_GRAD=0: meg
 grad_weight, i.e. gemm-patch 0.2.0) and ``patched_te_fresh`` (an experiment, not a feature: TE's
 per-shape dummy cache replaced by a per-call allocation, benchmarks/step_probe.py).
 Probes (issue 12 part 2): ``fusion_off`` and ``patched`` with a memory history up to step 3 and a
-profile of step 4 (benchmarks/step_probe.py), on 1 and 2 GPUs; their timings are not used.
+profile of step 4 (benchmarks/step_probe.py), on 2 GPUs (``probes1``: also 1 GPU; ``bf16probe``:
+``bf16_grads`` on 2 GPUs); their timings are not used.
 
 On a 2-GPU machine two 1-GPU processes run at once, one per GPU (the pairs rotate between rounds,
 and the JSON records who ran beside whom); 2-GPU processes run alone. Every process has a
@@ -88,6 +89,8 @@ def schedule(part: str, rounds: int) -> list[list[dict[str, Any]]]:
             slots.append([{"config": "fusion_off", "gpus": 1, "probe": True, "gpu": "0"},
                           {"config": "patched", "gpus": 1, "probe": True, "gpu": "1"}])
         slots += [[{"config": c, "gpus": 2, "probe": True}] for c in ("fusion_off", "patched")]
+    if "bf16probe" in part:  # where bf16 gradients' lead over patched comes from (2 GPUs)
+        slots.append([{"config": "bf16_grads", "gpus": 2, "probe": True}])
     if "extras" in part:
         slots.append([{"config": "patched_dummy_off", "gpus": 1, "gpu": "0", "round": 1},
                       {"config": "patched_te_fresh", "gpus": 1, "gpu": "1", "round": 1}])
@@ -221,7 +224,8 @@ def _task_record(t: dict[str, Any]) -> dict[str, Any]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", help="folder for e2e_width_<part>.json and the logs")
-    p.add_argument("--part", default="probes,extras,rounds", help="probes, extras, round1..roundN, rounds")
+    p.add_argument("--part", default="probes,extras,rounds",
+                   help="probes[,probes1], bf16probe, extras, round1..roundN, rounds")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--deadline", type=float, default=480, help="no process starts after this many seconds")
     p.add_argument("--proc-limit", type=float, default=110)

@@ -55,3 +55,9 @@ def test_committed_h200_results_have_the_issue_shape():
     versions = data["environment"]["versions"]
     assert versions["megatron_core"] and versions["transformer_engine"] and versions["torch"]
     assert data["gpus"] and "H200" in data["gpus"][0]
+
+
+def test_bf16probe_adds_one_two_gpu_probe_of_bf16_grads():
+    slots = e2e_width.schedule("bf16probe", 3)
+    assert slots == [[{"config": "bf16_grads", "gpus": 2, "probe": True}]]
+    assert all(t["config"] != "bf16_grads" for slot in e2e_width.schedule("probes", 3) for t in slot)

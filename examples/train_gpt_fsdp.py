@@ -76,6 +76,8 @@ RUN_KEYS = ("name", "fusion", "main_grads_dtype", "sharding", "steps", "micro_ba
             # issue 12's probes (benchmarks/step_probe.py)
             "probe_dir", "probe_step", "te_dummy")
 PARALLEL_KEYS = ("tp", "cp", "ep")
+# Run keys that exist only when given (flag or --plan entry): absent, a run's config is unchanged.
+OPTIONAL_RUN_KEYS = ("grad_div_fusion",)
 
 # Weights whose gradient is written by a fused wgrad GEMM straight into main_grad when
 # gradient_accumulation_fusion is on: TE's linear layers, and megatron's ColumnParallelLinear
@@ -183,6 +185,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--te-dummy", choices=("cached", "fresh"), default="cached",
                    help="issue 12 experiment: 'fresh' makes TE's get_dummy_wgrad allocate per call instead "
                         "of its per-shape cache (not a gemm_patch feature)")
+    p.add_argument("--grad-div-fusion", choices=("on", "off"), default=None,
+                   help="DDP config gradient_reduce_div_fusion (default: megatron-core's, True); issue 10's "
+                        "ep2_moe probe repeats with 'off' (explicit mul_ instead of NCCL PreMulSum)")
+    p.add_argument("--reduce-probe", default=None, metavar="PATH",
+                   help="issue 10: observe Megatron-FSDP's per-bucket gradient scaling and reduction "
+                        "(examples/ep2_reduce_probe.py); rank 0 writes every rank's record to PATH (JSON)")
     p.add_argument("--require-patch", action="store_true",
                    help="fail at once unless gemm_patch is imported and its fsdp-wgrad target is patched")
     return p.parse_args(argv)
@@ -190,10 +198,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def expand_plan(args: argparse.Namespace) -> list[dict[str, Any]]:
     base = {k: getattr(args, k) for k in RUN_KEYS}
+    base.update({k: getattr(args, k) for k in OPTIONAL_RUN_KEYS if getattr(args, k, None) is not None})
     overrides = json.loads(Path(args.plan).read_text()) if args.plan else [{}]
     runs = []
     for i, override in enumerate(overrides):
-        unknown = set(override) - set(RUN_KEYS)
+        unknown = set(override) - set(RUN_KEYS) - set(OPTIONAL_RUN_KEYS)
         if unknown:
             raise SystemExit(f"--plan entry {i}: unknown keys {sorted(unknown)}; known: {RUN_KEYS}")
         run = {**base, **override}
@@ -216,6 +225,7 @@ def build_configs(run: dict[str, Any]):
     fp32_grads = run["main_grads_dtype"] == "fp32"
     hidden = run["hidden"]
     extra: dict[str, Any] = {}
+    extra_ddp: dict[str, Any] = {}
     if run.get("mtp_layers"):
         extra["mtp_num_layers"] = int(run["mtp_layers"])
     if run.get("moe_experts"):
@@ -263,7 +273,10 @@ def build_configs(run: dict[str, Any]):
         "init_method_std": 0.02,
         **extra,
     })
+    if run.get("grad_div_fusion") is not None:
+        extra_ddp["gradient_reduce_div_fusion"] = run["grad_div_fusion"] == "on"
     ddp_config = DistributedDataParallelConfig(
+        **extra_ddp,
         use_megatron_fsdp=True,
         data_parallel_sharding_strategy=run["sharding"],
         # Megatron-LM requires the distributed optimizer with Megatron-FSDP.
@@ -635,7 +648,8 @@ def dump_gradients(model, path: str, meta: dict[str, Any], tp_dims: dict[str, in
 
 # -- one configuration --------------------------------------------------------------------------
 
-def train_one(run: dict[str, Any], untimed_steps: int, first_in_process: bool) -> dict[str, Any]:
+def train_one(run: dict[str, Any], untimed_steps: int, first_in_process: bool,
+              reduce_probe=None) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -721,6 +735,8 @@ def train_one(run: dict[str, Any], untimed_steps: int, first_in_process: bool) -
         return loss, {"lm loss": logged}
 
     def forward_step(data_iterator, model_):
+        if reduce_probe is not None:
+            reduce_probe.next_micro()
         tokens = next(data_iterator)
         inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
         pos = position_ids
@@ -737,6 +753,8 @@ def train_one(run: dict[str, Any], untimed_steps: int, first_in_process: bool) -
             batch = data.global_batch(step, dp_size * m * mbs)
             local = batch[dp_rank * m * mbs:(dp_rank + 1) * m * mbs].cuda(non_blocking=True)
             micro = [local[i * mbs:(i + 1) * mbs] for i in range(m)]
+            if reduce_probe is not None:
+                reduce_probe.set_step(step)
             scheduler.step(1)
             lr = _first_lr(optimizer)
             torch.cuda.synchronize()
@@ -982,6 +1000,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.require_patch:
         check_patched()
     einops_stand_in = install_mesh_helper_if_no_einops()
+    reduce_probe = None
+    if args.reduce_probe:  # before any model is wrapped: it observes the buffers' construction
+        from ep2_reduce_probe import ReduceProbe  # examples/ep2_reduce_probe.py, next to this script
+
+        reduce_probe = ReduceProbe().install()
 
     results = {
         "schema": "gemm_patch.e2e_run/1",
@@ -999,7 +1022,10 @@ def main(argv: list[str] | None = None) -> int:
                 results["runs"].append(run_oracle(run))
                 results["runs"][-1].setdefault("gemm_patch_after_wrap", None)
             else:
-                results["runs"].append(train_one(run, args.untimed_steps, first_in_process=i == 0))
+                if reduce_probe is not None:
+                    reduce_probe.set_run(run["name"])
+                results["runs"].append(train_one(run, args.untimed_steps, first_in_process=i == 0,
+                                                 reduce_probe=reduce_probe))
         except Exception as exc:  # noqa: BLE001 - recorded; the campaign reports it, the next run goes on
             results["runs"].append({"name": run["name"], "config": run, "gemm_patch_after_wrap": None,
                                     **refusal(exc)})
@@ -1011,12 +1037,28 @@ def main(argv: list[str] | None = None) -> int:
         if dist.get_rank() == 0:  # written after every run: a later crash keeps the earlier ones
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(results, indent=1))
+        if reduce_probe is not None:
+            write_reduce_probe(reduce_probe, args.reduce_probe)
     if dist.get_rank() == 0:
         results["gemm_patch"] = environment()["gemm_patch"]  # final state (demotions, if any)
         Path(args.out).write_text(json.dumps(results, indent=1))
+    if reduce_probe is not None:
+        reduce_probe.uninstall()
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     return 0
+
+
+def write_reduce_probe(probe, path: str) -> None:
+    """Every rank's probe record, gathered; rank 0 writes them to ``path`` (collective)."""
+    import torch.distributed as dist
+    from ep2_reduce_probe import dumps
+
+    records = [None] * dist.get_world_size()
+    dist.all_gather_object(records, probe.as_dict())
+    if dist.get_rank() == 0:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(dumps({"ranks": records}))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "compat"))
+import matrix  # noqa: E402  compat/matrix.py installs a release from PyPI on first use
+
 EXAMPLES = ROOT / "examples"
 RELEASES = ("0.17.1", "0.19.2")
 
@@ -63,9 +66,6 @@ print("RESULT" + json.dumps({"missing": probe.missing, "wrapped": probe.wrapped,
 
 
 def _run_release(rel: str) -> dict:
-    sys.path.insert(0, str(ROOT / "compat"))
-    import matrix  # compat/matrix.py: installs the release from PyPI on first use, as the matrix does
-
     try:
         tree = matrix.ensure_release(matrix.select([rel])[0])
     except subprocess.CalledProcessError as exc:  # no registry: nothing to test against

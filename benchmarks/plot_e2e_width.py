@@ -24,6 +24,13 @@ def panels(data: dict) -> list[tuple[str, str, dict]]:
     return out
 
 
+def rounds(results: dict) -> str:
+    """'3 rounds' (or '1-3 rounds' where configurations differ), from the results themselves."""
+    counts = sorted({cell["rounds"] for cells in results.values() for cell in cells.values()})
+    n = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+    return f"{n} round{'s' if counts[-1] > 1 else ''}"
+
+
 def main(src: str, dst: str) -> int:
     import matplotlib
 
@@ -52,8 +59,11 @@ def main(src: str, dst: str) -> int:
             ax.set_ylim(low * 0.9, None)
             what = "step time" if row == 0 else "peak memory"
             ax.set_title(f"{model}, {gpus} H200{'s' if gpus == '2' else ''}: {what}")
-    fig.suptitle("Megatron-FSDP GPT, vocab 128256, seq 4096; hidden 4096 x 4 layers (3 rounds), hidden 8192 x 2 "
-                 "layers (1 round); megatron-core 0.17.1, TE 2.20.2 (dots: rounds)", fontsize=10)
+    models = [data] + ([data["wide"]] if "wide" in data else [])
+    runs = ", ".join(f"hidden {m['model']['hidden']} x {m['model']['layers']} layers ({rounds(m['results'])})"
+                     for m in models)
+    fig.suptitle(f"Megatron-FSDP GPT, vocab 128256, seq 4096; {runs}; megatron-core 0.17.1, TE 2.20.2 "
+                 "(dots: rounds)", fontsize=10)
     fig.savefig(dst, dpi=100)
     return 0
 

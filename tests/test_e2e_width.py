@@ -61,3 +61,47 @@ def test_bf16probe_adds_one_two_gpu_probe_of_bf16_grads():
     slots = e2e_width.schedule("bf16probe", 3)
     assert slots == [[{"config": "bf16_grads", "gpus": 2, "probe": True}]]
     assert all(t["config"] != "bf16_grads" for slot in e2e_width.schedule("probes", 3) for t in slot)
+
+
+def _committed() -> dict:
+    return json.loads((ROOT / "benchmarks" / "results" / "e2e_width_h200.json").read_text())
+
+
+def test_committed_wide_model_has_three_rounds_of_each_configuration():
+    wide = _committed()["wide"]
+    assert wide["model"] == {**e2e_width.MODEL, **e2e_width.WIDE}
+    assert wide["flops_per_token"] == e2e_width.flops_per_token(wide["model"])
+    assert wide["runs"]["rounds"] == 3 and wide["failed"] == []
+    for gpus in ("1", "2"):
+        for config in e2e_width.MAIN:
+            cell = wide["results"][gpus][config]
+            assert cell["rounds"] == 3 and len(cell["round_median_step_ms"]) == 3
+            assert cell["median_step_ms"] == sorted(cell["round_median_step_ms"])[1]
+            ran = [t for t in wide["tasks"] if t["config"] == config and str(t["gpus"]) == gpus]
+            assert sorted(t["round"] for t in ran) == [1, 2, 3]  # each process once: no cut run counted twice
+    assert len({t["name"] for t in wide["tasks"]}) == len(wide["tasks"]) == 18
+
+
+def test_committed_bf16_probe_has_the_shape_of_the_other_probes():
+    probes = _committed()["probes"]
+    assert set(probes) == {"fusion_off.g2.probe", "patched.g2.probe", "bf16_grads.g2.probe"}
+    bf16, patched = probes["bf16_grads.g2.probe"], probes["patched.g2.probe"]
+    assert set(bf16) == set(patched) and bf16["rc"] == 0
+    assert set(bf16["memory"]) == set(patched["memory"]) and set(bf16["profile"]) == set(patched["profile"])
+    assert bf16["memory"]["peak_traced_bytes"] == bf16["memory"]["alive_at_peak_bytes"] > 0
+    kernels = [k["kernel"] for k in bf16["profile"]["top_kernels"]]
+    assert any("ReduceScatter_Sum_bf16" in k for k in kernels)  # it did reduce bf16 gradients
+    assert not any("ReduceScatter_Sum_f32" in k for k in kernels)
+
+
+def test_merge_counts_a_cut_process_once_its_rerun_completed(tmp_path):
+    cut = _task("patched", 2, 1, 1.0, 0.0)
+    cut.update(rc=-9, timed_out=True, result={})  # killed before train_gpt_fsdp.py wrote its result
+    first, rerun = tmp_path / "a.json", tmp_path / "b.json"
+    first.write_text(json.dumps({"model": e2e_width.MODEL, "tasks": [
+        _task("fusion_off", 2, 1, 300.0, 25.9), cut]}))
+    rerun.write_text(json.dumps({"model": e2e_width.MODEL, "tasks": [_task("patched", 2, 1, 290.0, 25.9)]}))
+    merged = e2e_width.merge([first, rerun])
+    assert merged["results"]["2"]["patched"]["rounds"] == 1
+    assert merged["results"]["2"]["patched"]["round_median_step_ms"] == [290.0]
+    assert [f["rc"] for f in merged["failed"]] == [-9]  # the cut run stays on record as failed

@@ -145,7 +145,8 @@ def test_pack_list_and_readme_table_agree():
     readme = (NEMO / "README.md").read_text()
     table = readme.split("## Wheels", 1)[1].split("## Checked", 1)[0]
     cells = {m.group(1).lower(): m.group(2) for m in re.finditer(r"\| ([\w.-]+) (\d[\w.]*)", table)}
-    assert cells.pop("megatron-core") == "0.16.1"
+    assert cells.pop("megatron-core") == "0.15.3"
+    assert re.search(r"^\$PY -m pip download .* megatron-core==0\.15\.3$", (NEMO / "pack_wheels.sh").read_text(), re.M)
     assert cells == pins
 
 
@@ -153,7 +154,8 @@ def test_device_command_fits_one_call():
     readme = (NEMO / "README.md").read_text()
     (command,) = re.findall(r"```\n(.*?)\n```", readme.split("## The device call", 1)[1], re.S)[:1]
     assert "\n" not in command and len(command) <= 2000
-    for needed in ("source .devkit/setup.sh", "mcore 0.16.1", "--no-index --no-deps", "export PYTHONPATH=$N:",
+    for needed in ("source .devkit/setup.sh", "--target /tmp/gp/mc0153 .nemo273/mc/*.whl; } && mcore 0.15.3 &&",
+                   "import megatron.core.inference.unified_memory", "--no-index --no-deps", "export PYTHONPATH=$N:",
                    "env GEMM_PATCH_NEMO_FSDP_GAF=1 python3 -m gemm_patch run --", "examples/nemo/nemo_step.py"):
         assert needed in command, needed
     assert set(re.findall(r"\$OUT/nemo_\$m\.(\w+)", command)) == {"json", "log"}  # 3 runs x 2 = 6 files <= 8

@@ -5,8 +5,9 @@
 #   run from the project root (needs PyPI):   examples/nemo/pack_wheels.sh
 #
 # Fills .nemo273/wheels (46 wheels: nemo-toolkit, Lightning 2.4.0, NeMo's import chain; two of them
-# built here from their sdists, pure Python) and .nemo273/mc (megatron-core 0.16.1, cp312), and adds
-# .nemo273/ to .git/info/exclude. 28.26 MB (28,261,184 bytes).
+# built here from their sdists, pure Python) and .nemo273/mc (megatron-core 0.15.3, cp312: the newest
+# release whose get_megatron_optimizer takes NeMo 2.7.3's no_weight_decay_cond / scale_lr_cond / lr_mult;
+# examples/nemo/README.md says why), and adds .nemo273/ to .git/info/exclude. 27.91 MB (27,912,390 bytes).
 set -euo pipefail
 D=.nemo273
 PY=${PYTHON:-python3}
@@ -34,7 +35,7 @@ $PY -m pip download -q --no-deps "${PLAT[@]}" -d "$D/wheels" "${PINS[@]}"
 $PY -m pip download -q --no-deps --no-binary=:all: -d "$D/sdist" "${SDISTS[@]}"
 $PY -m pip wheel -q --no-deps -w "$D/wheels" "$D"/sdist/*
 rm -rf "$D/sdist"
-$PY -m pip download -q --no-deps "${PLAT[@]}" -d "$D/mc" megatron-core==0.16.1
+$PY -m pip download -q --no-deps "${PLAT[@]}" -d "$D/mc" megatron-core==0.15.3
 n=$(ls "$D"/wheels/*.whl | wc -l)
 [ "$n" -eq 46 ] || { echo "expected 46 wheels in $D/wheels, found $n" >&2; exit 1; }
-echo "[nemo273] $n wheels + megatron-core 0.16.1: $(du -cb "$D"/wheels/*.whl "$D"/mc/*.whl | tail -1 | cut -f1) bytes"
+echo "[nemo273] $n wheels + megatron-core 0.15.3: $(du -cb "$D"/wheels/*.whl "$D"/mc/*.whl | tail -1 | cut -f1) bytes"

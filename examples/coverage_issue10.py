@@ -47,7 +47,7 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     # before TE reads it: where moe-te-overwrite's bug can show (docs/research/issue10.md)
     "dp1_moe": {"gpus": 1, "moe_experts": 8, "strategies": ("optim_grads_params", "no_shard", "optim_grads", "optim"),
                 "variants_0.19": {"optim_grads_params": ("unfused", "recompute")}},
-    "ep2_moe": {"gpus": 2, "ep": 2, "moe_experts": 8, "strategies": ("optim_grads_params", "no_shard"),
+    "ep2_moe": {"gpus": 2, "ep": 2, "moe_experts": 8, "strategies": ("optim_grads_params", "no_shard", "optim"),
                 "variants_0.19": {"optim_grads_params": ("unfused", "recompute")}},
 }
 VARIANTS = {"double_buffer": {"double_buffer": "on"}, "no_overlap": {"overlap": "off"}, "unfused": {"moe_fused": "off"},
@@ -60,28 +60,40 @@ MODEL_VARIANTS = ("unfused",)
 # Rows of results made before the harness fixes of issue 10's first H200 call carry no
 # ``harness`` key; rows made since carry HARNESS.
 HARNESS = 2
-LEFT_OUT = "moe-te-overwrite"  # the target 'before' leaves out (MoE layouts)
+LEFT_OUT = "moe-te-overwrite"  # the target 'before' leaves out (MoE layouts) ...
+LEFT_OUT_BY_LAYOUT = {"ep2_moe": "fsdp-one-rank-scale"}  # ... except where another target is the one to show
+
+
+def left_out(layout: str) -> str:
+    """The target a layout's ``before`` process runs without."""
+    return LEFT_OUT_BY_LAYOUT.get(layout, LEFT_OUT)
 
 # Failures that are megatron-core's, not gemm-patch's nor the harness's: a row that fails against
 # the autograd oracle where one of these matches keeps ``passed: false`` and gains ``upstream``
 # (the note), so the table shows it instead of a silent pass. Each: (test(row), note).
 UPSTREAM_EP_EXPERT_2X = (
-    "upstream (Megatron-FSDP): expert gradients 2x with a grad-sharding strategy when the expert "
-    "data-parallel group has one rank (EP = DP = 2 on 2 GPUs): expert_gradient_scaling_factor = 1/dp "
-    "(megatron_fsdp.py:346-348, 0.17.1) is not applied to the unsharded expert buffer "
-    "(param_and_grad_buffer.py:2302 is_data_distributed needs group size > 1); no_shard on the same "
-    "harness matches autograd (1.5e-3), fusion_off shows it equally; the family of Megatron-LM #6660, "
-    "single-rank reduction fixed on main by PR #6773")
+    "upstream (Megatron-FSDP + NCCL): expert gradients 2x with a grad-sharding strategy when the expert "
+    "data-parallel group has one rank (EP = DP = 2 on 2 GPUs): gradient_reduce_preprocessing hands "
+    "expert_gradient_scaling_factor (1/dp = 0.5) to the reduce-scatter as a PreMulSum op, and NCCL 2.28.9's "
+    "reduce_scatter over one rank leaves the data unscaled (bucket probe: ratio 1.0 with div fusion, 0.5 "
+    "without; examples/premul_one_rank.py: 2.0 for 0.5 x 2.0, all_reduce correct); the fusion-off run "
+    "shows it equally; gemm-patch's fsdp-one-rank-scale applies the factor once per step instead")
+UPSTREAM_ORACLE_EP = (
+    "oracle (fusion_off, no gemm-patch) carries the upstream one-rank reduce-scatter bug above: its expert "
+    "gradients are 2x autograd; after (fsdp-one-rank-scale on) is compared with autograd instead")
+_EP_SHARDED = ("optim", "optim_grads", "optim_grads_params")
 
 
 def upstream_note(row: dict[str, Any]) -> str | None:
-    """The known upstream cause of a failing autograd-oracle row, or None."""
-    if row.get("passed") is not False or row.get("oracle") != "autograd":
+    """The known upstream cause of a failing row, or None."""
+    if row.get("passed") is not False or row.get("layout") != "ep2_moe" or row.get("strategy") not in _EP_SHARDED:
         return None
-    hi = row.get("expert_max_norm_ratio")
-    if (row.get("layout") == "ep2_moe" and row.get("strategy") in ("optim_grads", "optim_grads_params")
-            and hi is not None and 1.9 <= hi <= 2.1):
+    lo, hi = row.get("expert_min_norm_ratio"), row.get("expert_max_norm_ratio")
+    if row.get("oracle") == "autograd" and row.get("config") in ("off", "off_repeat", "before") \
+            and hi is not None and 1.9 <= hi <= 2.1:
         return UPSTREAM_EP_EXPERT_2X
+    if row.get("oracle") == "fusion_off" and row.get("config") == "after" and lo is not None and 0.45 <= lo <= 0.55:
+        return UPSTREAM_ORACLE_EP
     return None
 
 
@@ -333,7 +345,8 @@ def markdown(rows: list[dict]) -> str:
              "Rule: per parameter rel = ||g - g_ref|| / ||g_ref|| <= max(2^-7, 3 x noise), the full reduced "
              "gradient of every parameter (gathered over DP, TP and EP) after one step of 4 and of 1 "
              "micro-batch. Cells: worst rel diff, norm ratio range, comparisons passing. `before` = gemm-patch "
-             f"without `{LEFT_OUT}` (MoE layouts; expert weights' ratio).", "",
+             f"without `{LEFT_OUT}` (MoE layouts; expert weights' ratio), without "
+             f"`{LEFT_OUT_BY_LAYOUT['ep2_moe']}` on ep2_moe.", "",
              "| release | layout | strategies | MoE path | after vs fusion_off | after vs autograd "
              "| fusion_off vs autograd | before vs fusion_off (experts) | unsupported |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -351,7 +364,8 @@ def markdown(rows: list[dict]) -> str:
             lo, hi = befores.get(k, (9.0, 0.0))
             befores[k] = (min(lo, r["expert_min_norm_ratio"]), max(hi, r["expert_max_norm_ratio"]))
     if befores:
-        lines += ["", f"`before` (without `{LEFT_OUT}`) vs fusion_off, expert weights' norm ratio per strategy: "
+        lines += ["", "`before` (without the layout's left-out target) vs fusion_off, expert weights' norm ratio "
+                  "per strategy: "
                   + "; ".join(f"{a} {b} {c} {lo:.3f}-{hi:.3f}" for (a, b, c), (lo, hi) in sorted(befores.items()))
                   + ". Under optim_grads_params the TransformerLayer is a Megatron-FSDP unit whose pre-backward "
                     "unshard (fsdp-te-overwrite's reset) runs after every forward of the layer, the recomputed one "

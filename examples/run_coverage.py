@@ -680,7 +680,7 @@ def make_processes10(args, scratch: Path) -> list[dict[str, Any]]:
                 def dump(config, what, m, rel=rel, layout=layout):
                     return dump_path(scratch, rel, layout, config, what, m)
                 plan = I10.plan_for(layout, rel, config, model, dump, args.smoke)
-                extra = ("--leave-out-target", I10.LEFT_OUT) if config == "before" else ()
+                extra = ("--leave-out-target", I10.left_out(layout)) if config == "before" else ()
                 procs.append(process(args, scratch, rel, layout, config, I10.LAYOUTS[layout]["gpus"], plan,
                                      args.after_root, extra))
     # Two-GPU processes first (they need a slot on both GPUs), longest plans first.
@@ -746,7 +746,7 @@ def main10(args, t0: float, scratch: Path, out: Path) -> int:
         "model": {k: getattr(args, k) for k in ("layers", "hidden", "seq", "vocab", "micro_batch_size")},
         "bound": {"base": BOUND, "noise_factor": NOISE_FACTOR,
                   "rule": "per parameter rel = ||g - g_ref|| / ||g_ref|| <= max(2^-7, 3 x noise rel)"},
-        "left_out_in_before": I10.LEFT_OUT,
+        "left_out_in_before": {layout: I10.left_out(layout) for layout in args.layouts.split(",")},
         "processes": [{**{k: p.get(k) for k in ("name", "release", "layout", "config", "gpus", "rc", "seconds",
                                                   "start_s", "skipped", "timed_out")},
                        "targets": [(t.get("name"), t.get("state")) for t in

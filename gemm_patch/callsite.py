@@ -174,16 +174,18 @@ def check_live_is_source(module: types.ModuleType, owner: str, attribute: str) -
 
 def check_live_function_is_source(module: types.ModuleType, name: str) -> ast.FunctionDef:
     """The module-level function ``name`` as parsed from the module's file; CallSiteError unless
-    the live ``module.name`` is that very function (undecorated, code object equal to the
-    file's compiled code)."""
+    the live ``module.name`` is that very function with the decorators the file names (each
+    layer's code object equal to the file's compiled code, as ``check_live_is_source``)."""
     source = _source(module)
     funcdef = next((n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == name), None)
-    if funcdef is None or funcdef.decorator_list:
-        raise CallSiteError(f"{module.__name__}.{name} is not an undecorated function of its file")
+    if funcdef is None:
+        raise CallSiteError(f"{module.__name__}.{name} is not a function of its file")
     code = compile(source, _filename(module), "exec", dont_inherit=True)
-    expected = next((c for c in code.co_consts if isinstance(c, types.CodeType) and c.co_name == name), None)
+    expected_code = next((c for c in code.co_consts if isinstance(c, types.CodeType) and c.co_name == name), None)
     live = vars(module).get(name)
-    if getattr(live, "__code__", None) != expected:
+    expected = _decorate(types.FunctionType(expected_code, module.__dict__), funcdef.decorator_list, module) \
+        if expected_code is not None else None
+    if expected is None or _layers(live) != _layers(expected):
         raise CallSiteError(f"{module.__name__}.{name} is not the function of {_filename(module)}: the live "
                             f"object is {type(live).__module__}.{type(live).__qualname__}{_origin(live)}")
     return funcdef

@@ -34,7 +34,9 @@ def test_plans_cover_every_layout_and_leave_one_target_out_for_before(tmp_path):
     assert len(procs) == 2 * (6 * 3 + 2)
     assert "0.19.2.dp1_moe.before" in names and "0.19.2.dp1.before" not in names
     before = next(p for p in procs if p["name"] == "0.19.2.ep2_moe.before")
-    assert before["cmd"][-2:] == ["--leave-out-target", "moe-te-overwrite"]
+    assert before["cmd"][-2:] == ["--leave-out-target", "fsdp-one-rank-scale"]
+    dp1_before = next(p for p in procs if p["name"] == "0.19.2.dp1_moe.before")
+    assert dp1_before["cmd"][-2:] == ["--leave-out-target", "moe-te-overwrite"]
     assert before["cmd"][1:4] == ["-m", "gemm_patch", "run"]
     off = next(p for p in procs if p["name"] == "0.17.1.tp2_sp.off")
     assert "gemm_patch" not in off["cmd"]
@@ -168,3 +170,13 @@ def test_known_causes_annotate_failing_rows_without_passing_them():
     assert "harness_issue" not in out[4]  # a rerun's failure is not explained away
     md = I10.markdown(out)
     assert "upstream" in md and "Known causes" in md
+
+
+def test_ep2_after_vs_the_buggy_oracle_is_annotated_and_before_leaves_out_the_one_rank_target():
+    row = {"issue": 10, "release": "0.19.2", "layout": "ep2_moe", "strategy": "optim_grads_params", "variant": "",
+           "micro_batches": 4, "config": "after", "oracle": "fusion_off", "moe": True, "passed": False,
+           "max_rel_diff": 0.5, "expert_min_norm_ratio": 0.5, "expert_max_norm_ratio": 0.5, "harness": 2}
+    out = I10.annotate([row, {**row, "layout": "dp1_moe"}, {**row, "expert_min_norm_ratio": 0.9}])
+    assert out[0]["upstream"] == I10.UPSTREAM_ORACLE_EP and out[0]["passed"] is False
+    assert "upstream" not in out[1] and "upstream" not in out[2]
+    assert I10.left_out("ep2_moe") == "fsdp-one-rank-scale" and I10.left_out("dp1_moe") == "moe-te-overwrite"

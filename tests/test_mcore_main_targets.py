@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-from gemm_patch.targets import fsdp_wgrad_gemm, moe_overwrite, te_overwrite_by_strategy
+from gemm_patch.targets import fsdp_wgrad_gemm, moe_overwrite, one_rank_scale, te_overwrite_by_strategy
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMIT = fsdp_wgrad_gemm.MAIN_COMMIT
@@ -51,10 +51,10 @@ MAIN_TARGETS = ("fsdp-wgrad-gemm", "fsdp-te-overwrite-by-strategy", "mfsdp-te-ov
 
 
 def test_every_main_target_pins_the_same_commit():
-    for module in (fsdp_wgrad_gemm, moe_overwrite, te_overwrite_by_strategy):
+    for module in (fsdp_wgrad_gemm, moe_overwrite, te_overwrite_by_strategy, one_rank_scale):
         assert module.MAIN_COMMIT == COMMIT
     for target in (fsdp_wgrad_gemm.TARGET, te_overwrite_by_strategy.TARGET, te_overwrite_by_strategy.STANDALONE,
-                   moe_overwrite.TARGET):
+                   moe_overwrite.TARGET, one_rank_scale.TARGET, one_rank_scale.STANDALONE):
         assert f"main@{SHORT}" in target.fingerprints
         assert "0.20.0" not in target.fingerprints, "0.20.0 is not released: main is keyed by its commit"
 
@@ -131,7 +131,7 @@ import dataclasses, json, os, sys, types
 import torch
 import gemm_patch, gemm_patch.patcher as p
 from gemm_patch import detection
-from gemm_patch.targets import fsdp_wgrad_gemm, moe_overwrite, te_overwrite_by_strategy
+from gemm_patch.targets import fsdp_wgrad_gemm, moe_overwrite, one_rank_scale, te_overwrite_by_strategy
 
 MINE = (fsdp_wgrad_gemm.TARGET, te_overwrite_by_strategy.TARGET, te_overwrite_by_strategy.STANDALONE,
         moe_overwrite.TARGET)
@@ -331,6 +331,9 @@ def test_states_on_main(main_run):
     for name in MAIN_TARGETS:
         assert states[name] == "compatible", main_run["states"][name]
         assert f"main@{SHORT}" in main_run["states"][name][1]
+    # main's reduce code is 0.19.2's: the one-rank scale applies unchanged.
+    for name in ("fsdp-one-rank-scale", "mfsdp-one-rank-scale"):
+        assert states[name] == "compatible", main_run["states"][name]
     # The released forms of the same fixes find nothing to patch on main.
     assert states["fsdp-wgrad"] == "not applicable"
     assert states["fsdp-te-overwrite"] == "not applicable"

@@ -12,6 +12,7 @@ from . import (
     fsdp_wgrad_gemm,
     moe_overwrite,
     nemo_fsdp_gaf,
+    one_rank_scale,
     shared_grad,
     te_dummy_wgrad,
     te_overwrite,
@@ -28,6 +29,8 @@ REGISTRY: tuple[Target, ...] = (
     shared_grad.STANDALONE,
     moe_overwrite.TARGET,
     te_dummy_wgrad.TARGET,  # Transformer Engine's own layers
+    one_rank_scale.TARGET,  # Megatron-FSDP's reduce, not the wgrad: expert parallelism
+    one_rank_scale.STANDALONE,
     # Megatron-LM main (0.20.0 before its release), pinned commit.
     fsdp_wgrad_gemm.TARGET,
     te_overwrite_by_strategy.TARGET,

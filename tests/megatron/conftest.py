@@ -3,6 +3,7 @@ sets GEMM_PATCH_MATRIX_EXPECT to the state every target must read on it)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -78,3 +79,39 @@ def unpatched():
 def patched():
     gemm_patch.apply()
     yield
+
+
+@contextlib.contextmanager
+def registry_with(target):
+    """``target`` in gemm_patch's registry (a no-op where it is already there) and applied; the
+    registry and the patches as they were afterwards."""
+    import gemm_patch.patcher as patcher
+
+    original = patcher.REGISTRY
+    if target.name not in {t.name for t in original}:
+        patcher.REGISTRY = (*original, target)
+    gemm_patch.revert()
+    gemm_patch.apply()
+    try:
+        yield
+    finally:
+        gemm_patch.revert()
+        patcher.REGISTRY = original
+        gemm_patch.apply()
+
+
+@contextlib.contextmanager
+def registry_without(name: str):
+    """Every other target applied, ``name`` not; put back afterwards."""
+    import gemm_patch.patcher as patcher
+
+    gemm_patch.revert()
+    saved = patcher.REGISTRY
+    patcher.REGISTRY = tuple(t for t in saved if t.name != name)
+    gemm_patch.apply()
+    try:
+        yield
+    finally:
+        gemm_patch.revert()
+        patcher.REGISTRY = saved
+        gemm_patch.apply()

@@ -26,10 +26,9 @@ import sys
 import types
 
 import pytest
-from conftest import EXPECTED, torch
+from conftest import EXPECTED, registry_with, registry_without, torch
 
 import gemm_patch
-import gemm_patch.patcher as patcher
 from gemm_patch import detection
 from gemm_patch.targets.moe_overwrite import TARGET
 
@@ -57,28 +56,15 @@ _REGISTER = ("import gemm_patch.patcher as _p\n"
 
 @pytest.fixture(scope="module", autouse=True)
 def registered():
-    original = patcher.REGISTRY
-    if NAME not in {t.name for t in original}:
-        patcher.REGISTRY = (*original, TARGET)
-    gemm_patch.revert()
-    gemm_patch.apply()
-    yield
-    gemm_patch.revert()
-    patcher.REGISTRY = original
-    gemm_patch.apply()
+    with registry_with(TARGET):
+        yield
 
 
 @pytest.fixture
 def without_this_target():
     """Every other target applied (fsdp-te-overwrite included), this one not."""
-    gemm_patch.revert()
-    saved = patcher.REGISTRY
-    patcher.REGISTRY = tuple(t for t in saved if t.name != NAME)
-    gemm_patch.apply()
-    yield
-    gemm_patch.revert()
-    patcher.REGISTRY = saved
-    gemm_patch.apply()
+    with registry_without(NAME):
+        yield
 
 
 def target_state():

@@ -1,0 +1,169 @@
+"""fsdp-one-rank-scale / mfsdp-one-rank-scale: Megatron-FSDP scales a gradient bucket itself
+where its reduce runs over a one-rank group, instead of leaving the factor to NCCL.
+
+Megatron-FSDP averages gradients by a factor per buffer (``gradient_scaling_factor``: 1/dp for
+dense weights, ``expert_gradient_scaling_factor`` for experts). With
+``gradient_reduce_div_fusion`` on (the default) and a non-bf16 buffer,
+``gradient_reduce_preprocessing`` hands the factor to the collective as a PreMulSum op. Measured
+on 2 x H200 (torch 2.11.0+cu130, NCCL 2.28.9, ``examples/premul_one_rank.py``):
+``reduce_scatter_tensor`` over a one-rank group ignores that factor, in place or not, while
+``all_reduce`` applies it. Expert parallelism makes such groups with a factor other than 1: EP =
+DP = 2 on 2 GPUs gives experts a one-rank data-parallel group and a factor of 0.5, and every
+sharded strategy reduce-scatters, so each expert gradient comes out 2x (issue 10's ep2_moe,
+fusion on or off, megatron-core 0.17.1 and 0.19.2; a bucket probe showed the buffer unchanged
+by the collective).
+
+Each reduce applies the factor to the bucket as it stands, and a buffer on a one-rank group is
+not sharded: it keeps the sum of the step's micro-batches, so with ``optim_grads``/
+``optim_grads_params`` (a reduce after every backward) scaling at each reduce would compound
+(s^4 g1 + s^3 g2 + ...). The patch therefore records each ``DataParallelBuffer`` built over a
+one-rank group with a factor other than None or 1; for a gradient in one of those buffers
+``gradient_reduce_preprocessing`` returns a plain SUM (a one-rank reduce leaves the data as it
+is, whatever NCCL does with factors) and marks the buffer; ``ParamAndGradBuffer.update_main_grads``
+(once per step, from ``finish_grad_sync``, before the optimizer sees the gradients) first
+multiplies each marked buffer by its factor once. Every other buffer keeps megatron's op, and
+``average_in_collective`` (megatron's AVG instead of the factor) is left as it is. A
+communication copy in another dtype (``grad_comm_dtype``) is not the buffer's memory and is left
+as upstream has it.
+"""
+
+from __future__ import annotations
+
+import ast
+import types
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import wrapt
+
+from ..callsite import CallSiteError, check_live_function_is_source, check_live_is_source, fingerprint, parse_method
+from .base import Inspection, MethodTarget, Undo
+
+FUNCTION = "gradient_reduce_preprocessing"
+PREMUL = "torch.distributed._make_nccl_premul_sum"
+BUFFERS = "ParamAndGradBuffer"
+UPDATE = "update_main_grads"
+MAIN_COMMIT = "d98e8a64ddf34856e74b24714e3bedb2f5a39553"
+
+
+class OneRankBuffers:
+    """The buffers over one-rank groups that carry a factor (weakly held), those holding
+    gradients not yet scaled, and the three wrappers that keep both sets."""
+
+    def __init__(self) -> None:
+        self.buffers: weakref.WeakSet = weakref.WeakSet()
+        self.pending: weakref.WeakSet = weakref.WeakSet()
+        self.deferred = 0  # reduces that returned SUM instead of applying the factor
+        self.scaled = 0  # buffers multiplied by their factor in update_main_grads
+
+    def record_after_init(self, wrapped, instance, args, kwargs):
+        result = wrapped(*args, **kwargs)
+        factor = getattr(instance, "gradient_scaling_factor", None)
+        if getattr(instance, "dp_world_size", None) == 1 and factor is not None and factor != 1:
+            self.buffers.add(instance)
+        return result
+
+    def owner_of(self, grad_data: Any) -> Any:
+        """The recorded buffer whose data holds all of ``grad_data`` (by address: buffers may be
+        slices of one allocation, ``buffer_all_in_one``), or None."""
+        start = grad_data.data_ptr()
+        end = start + grad_data.numel() * grad_data.element_size()
+        for buffer in list(self.buffers):
+            data = getattr(buffer, "data", None)
+            if data is not None and data.device == grad_data.device and \
+                    data.data_ptr() <= start and end <= data.data_ptr() + data.numel() * data.element_size():
+                return buffer
+        return None
+
+    def preprocess(self, wrapped, instance, args, kwargs):
+        grad_data, factor, config = (list(args) + [kwargs.get(k) for k in
+                                                   ("grad_data", "scaling_factor", "ddp_config")][len(args):])[:3]
+        buffer = self.owner_of(grad_data) if self.buffers and grad_data is not None else None
+        if buffer is None or factor is None or getattr(config, "average_in_collective", False):
+            return wrapped(*args, **kwargs)
+        import torch
+
+        self.pending.add(buffer)
+        self.deferred += 1
+        return torch.distributed.ReduceOp.SUM
+
+    def scale_before_update(self, wrapped, instance, args, kwargs):
+        for buffer in list(self.pending):
+            buffer.data.mul_(buffer.gradient_scaling_factor)
+            self.scaled += 1
+        self.pending.clear()
+        return wrapped(*args, **kwargs)
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class OneRankScaleTarget(MethodTarget):
+    """Fingerprints the three functions it wraps: ``DataParallelBuffer.__init__`` (where the
+    group size and the factor are stored), ``gradient_reduce_preprocessing`` (its PreMulSum
+    branch) and ``ParamAndGradBuffer.update_main_grads``."""
+
+    def inspect(self, module: types.ModuleType) -> Inspection:
+        update_owner = vars(module).get(BUFFERS)
+        if (not callable(vars(module).get(FUNCTION)) or self.live_object(module) is None
+                or not isinstance(update_owner, type) or UPDATE not in vars(update_owner)):
+            return Inspection(None, False, f"{module.__name__} has no {FUNCTION}, {self.where} and {BUFFERS}.{UPDATE}")
+        function = check_live_function_is_source(module, FUNCTION)
+        init, update = parse_method(module, self.owner, self.attribute), parse_method(module, BUFFERS, UPDATE)
+        if init is None or update is None:
+            raise CallSiteError(f"{self.where} or {BUFFERS}.{UPDATE} is not in {module.__name__}'s file")
+        found = fingerprint(function, init, update)
+        if PREMUL not in ast.unparse(function):
+            return Inspection(found, False, f"no `{PREMUL}` in {FUNCTION}")
+        check_live_is_source(module, self.owner, self.attribute)
+        check_live_is_source(module, BUFFERS, UPDATE)
+        return Inspection(found, True, f"{FUNCTION}, {self.where}, {BUFFERS}.{UPDATE}")
+
+    def install(self, module: types.ModuleType, found: Inspection, undo: Undo, cfg: Any) -> str | None:
+        buffers = OneRankBuffers()
+        self.replace(module, undo, wrapt.FunctionWrapper(self.live_object(module), buffers.record_after_init))
+        for owner, name, wrapper in ((module, FUNCTION, buffers.preprocess),
+                                     (vars(module)[BUFFERS], UPDATE, buffers.scale_before_update)):
+            wrapped = wrapt.FunctionWrapper(vars(owner)[name], wrapper)
+            wrapped._self_gemm_patch_target = self.name
+            wrapped._self_one_rank_buffers = buffers
+            undo.set(owner, name, wrapped)
+        return None
+
+
+_COMMON = dict(
+    switch="GEMM_PATCH_ONE_RANK_SCALE",
+    relies_on=f"{FUNCTION}, DataParallelBuffer.__init__ and {BUFFERS}.{UPDATE}",
+    owner="DataParallelBuffer",
+    attribute="__init__",
+)
+
+TARGET = OneRankScaleTarget(
+    name="fsdp-one-rank-scale",
+    distribution="megatron-core",
+    module="megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer",
+    fingerprints={
+        # 0.13.x: no megatron_fsdp package (custom_fsdp).
+        **dict.fromkeys(("0.14.0", "0.15.0", "0.15.1", "0.15.2", "0.15.3"), "da63c2a46cc75554"),
+        **dict.fromkeys(("0.16.0", "0.16.1"), "38795255d2f6cf9d"),
+        **dict.fromkeys(("0.17.0", "0.17.1"), "518fe44c60aef944"),
+        **dict.fromkeys(("0.18.0", "0.18.2", "0.19.0", "0.19.2"), "a7bd3f00f3ee9082"),
+        # Megatron-LM main reports "0.20.0" (the coming release's version): keyed by the pinned commit.
+        f"main@{MAIN_COMMIT[:8]}": "a7bd3f00f3ee9082",  # = 0.19.2
+    },
+    **_COMMON,
+)
+
+# The same module shipped on its own (megatron-fsdp, imported as ``megatron_fsdp``).
+STANDALONE = OneRankScaleTarget(
+    name="mfsdp-one-rank-scale",
+    distribution="megatron-fsdp",
+    module="megatron_fsdp.param_and_grad_buffer",
+    fingerprints={
+        **dict.fromkeys(("0.1.0", "0.2.0", "0.2.1", "0.2.2", "0.2.3"), "da63c2a46cc75554"),
+        **dict.fromkeys(("0.3.0", "0.3.1"), "38795255d2f6cf9d"),
+        "0.4.0": "518fe44c60aef944",
+        **dict.fromkeys(("0.5.0", "0.5.1", "0.6.0", "0.6.1"), "a7bd3f00f3ee9082"),
+        f"main@{MAIN_COMMIT[:8]}": "a7bd3f00f3ee9082",  # main's copy reports "0.7.0rc0"
+    },
+    **_COMMON,
+)

@@ -1,0 +1,183 @@
+"""The fsdp-one-rank-scale target against the real megatron-core release on PYTHONPATH.
+
+Megatron-FSDP reduces a gradient buffer with ``gradient_reduce_preprocessing``'s op over the
+buffer's data-parallel group. On a one-rank group (experts under EP = DP) the buffer is not
+sharded and keeps the step's micro-batches summed; NCCL's one-rank reduce-scatter drops a
+PreMulSum factor (measured on the H200, examples/premul_one_rank.py), and megatron's other
+branch, ``mul_`` at every reduce, compounds over micro-batches. The tests build the release's
+own ``DataParallelBuffer`` objects over a one-process gloo group, slices of one allocation as
+``buffer_all_in_one`` makes them, accumulate micro-batches into them, call the release's own
+``gradient_reduce_preprocessing`` per micro-batch (the reduce of a one-rank group adds nothing:
+SUM over one rank is the identity, so the collective itself is not needed), then the release's
+own ``ParamAndGradBuffer.update_main_grads`` once, and compare with factor x sum exactly.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import tempfile
+import types
+
+import pytest
+from conftest import EXPECTED, registry_with, registry_without, torch
+
+import gemm_patch
+from gemm_patch import detection
+from gemm_patch.targets.one_rank_scale import TARGET
+
+try:
+    pgb = importlib.import_module(TARGET.module)
+except ImportError:
+    pgb = None
+
+NAME = TARGET.name
+EXPECT = EXPECTED.get(NAME) or TARGET.expected_state(detection.distribution_version("megatron-core"))
+PATCHED = EXPECT in ("verified", "compatible", "forced")
+needs_patch = pytest.mark.skipif(not PATCHED, reason=f"{NAME} is {EXPECT} on this release")
+FACTOR = 0.5  # EP = DP = 2: the experts' 1/dp over a one-rank expert data-parallel group
+MICRO_BATCHES = 4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registered_and_grouped():
+    import torch.distributed as dist
+
+    with registry_with(TARGET), tempfile.TemporaryDirectory() as tmp:
+        owns = not dist.is_initialized()
+        if owns:
+            dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'store')}", rank=0, world_size=1)
+        yield
+        if owns:
+            dist.destroy_process_group()
+
+
+@pytest.fixture
+def without_this_target():
+    with registry_without(NAME):
+        yield
+
+
+def target_state():
+    return {t.name: t for t in gemm_patch.status().targets}[NAME]
+
+
+def ddp_config(div_fusion: bool = True, average_in_collective: bool = False):
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    return DistributedDataParallelConfig(use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads_params",
+                                         gradient_reduce_div_fusion=div_fusion,
+                                         average_in_collective=average_in_collective)
+
+
+def buffers(dtype=torch.float32, factors=(FACTOR, None, 1.0), size: int = 16):
+    """Real DataParallelBuffers over the one-rank WORLD group, one per factor, their data
+    consecutive slices of one allocation (as ``buffer_all_in_one`` gives them)."""
+    import torch.distributed as dist
+
+    made, whole = [], torch.zeros(size * len(factors), dtype=dtype)
+    for i, factor in enumerate(factors):
+        param = torch.nn.Parameter(torch.zeros(size, dtype=dtype))
+        buf = pgb.DataParallelBuffer(ddp_config(), [param], is_data_distributed=False, bucket_id=i, dtype=dtype,
+                                     device=torch.device("cpu"), data_parallel_group=dist.group.WORLD,
+                                     gradient_scaling_factor=factor)
+        buf.data = whole[i * size:(i + 1) * size]  # init_data's assignment, without its size bookkeeping
+        made.append(buf)
+    return made
+
+
+def micro_batch_grads(n: int, size: int = 16, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(7)
+    return [torch.randn(size, generator=gen).to(dtype) for _ in range(n)]
+
+
+def run_step(buf, config, grads):
+    """optim_grads(_params): a reduce after every backward, then finish_grad_sync's
+    update_main_grads. Returns the ops the preprocessing chose."""
+    ops = []
+    for g in grads:
+        buf.data.add_(g)
+        ops.append(pgb.gradient_reduce_preprocessing(buf.data[: buf.data.numel()], buf.gradient_scaling_factor,
+                                                     config))
+    pgb.ParamAndGradBuffer.update_main_grads(types.SimpleNamespace(optimizer_named_parameters=[]))
+    return ops
+
+
+def test_state_on_this_release():
+    assert target_state().state == EXPECT
+
+
+@needs_patch
+def test_factor_applied_once_per_step_over_micro_batches():
+    scaled, plain, unit = buffers()
+    grads = micro_batch_grads(MICRO_BATCHES)
+    ops = run_step(scaled, ddp_config(), grads)
+    assert all(op == torch.distributed.ReduceOp.SUM for op in ops)  # nothing left to NCCL
+    expected = FACTOR * torch.stack(grads).sum(0)
+    assert torch.equal(scaled.data, expected)
+    # A second update (finish_grad_sync called again) does not scale again.
+    pgb.ParamAndGradBuffer.update_main_grads(types.SimpleNamespace(optimizer_named_parameters=[]))
+    assert torch.equal(scaled.data, expected)
+    # The neighbouring slices of the same allocation were not touched.
+    assert not plain.data.any() and not unit.data.any()
+
+
+@needs_patch
+def test_bf16_buffer_no_longer_compounds():
+    (scaled,) = buffers(dtype=torch.bfloat16, factors=(FACTOR,))
+    grads = micro_batch_grads(MICRO_BATCHES, dtype=torch.bfloat16)
+    run_step(scaled, ddp_config(), grads)
+    summed = torch.zeros_like(scaled.data)
+    for g in grads:
+        summed.add_(g)
+    assert torch.equal(scaled.data, summed * FACTOR)
+
+
+@needs_patch
+def test_other_buffers_keep_megatron_op():
+    _, plain, unit = buffers()
+    config = ddp_config()
+    before = plain.data.clone()
+    assert pgb.gradient_reduce_preprocessing(plain.data, None, config) == torch.distributed.ReduceOp.SUM
+    # factor 1 is not recorded: megatron's fused PreMulSum op comes back unchanged
+    op = pgb.gradient_reduce_preprocessing(unit.data, 1.0, config)
+    assert op != torch.distributed.ReduceOp.SUM
+    # a tensor outside every recorded buffer (a grad_comm_dtype copy) keeps megatron's op too
+    copy = torch.zeros(16)
+    assert pgb.gradient_reduce_preprocessing(copy, FACTOR, config) != torch.distributed.ReduceOp.SUM
+    assert torch.equal(plain.data, before)
+    assert target_state().state == EXPECT
+
+
+@needs_patch
+def test_average_in_collective_is_megatron_s():
+    (scaled,) = buffers(factors=(FACTOR,))
+    op = pgb.gradient_reduce_preprocessing(scaled.data, FACTOR, ddp_config(average_in_collective=True))
+    assert op == torch.distributed.ReduceOp.AVG
+
+
+@needs_patch
+def test_without_the_target_upstream_loses_or_compounds(without_this_target):
+    """The bug, on the release's own code: the fused op goes to NCCL (which drops it on one
+    rank), and with div fusion off the factor compounds over micro-batches."""
+    (fused,) = buffers(factors=(FACTOR,))
+    ops = run_step(fused, ddp_config(), micro_batch_grads(MICRO_BATCHES))
+    assert all(op != torch.distributed.ReduceOp.SUM for op in ops)  # PreMulSum, left to the collective
+    (manual,) = buffers(factors=(FACTOR,))
+    grads = micro_batch_grads(MICRO_BATCHES)
+    run_step(manual, ddp_config(div_fusion=False), grads)
+    assert not torch.allclose(manual.data, FACTOR * torch.stack(grads).sum(0))
+
+
+@needs_patch
+def test_revert_puts_back_megatron_functions():
+    owners = ((pgb, "gradient_reduce_preprocessing"), (pgb.DataParallelBuffer, "__init__"),
+              (pgb.ParamAndGradBuffer, "update_main_grads"))
+    patched = {name: vars(owner)[name] for owner, name in owners}
+    assert all(getattr(obj, "_self_gemm_patch_target", None) == NAME for obj in patched.values())
+    gemm_patch.revert()
+    try:
+        for owner, name in owners:
+            assert vars(owner)[name] is patched[name].__wrapped__
+    finally:
+        gemm_patch.apply()

@@ -159,3 +159,11 @@ def test_device_command_fits_one_call():
                    "env GEMM_PATCH_NEMO_FSDP_GAF=1 python3 -m gemm_patch run --", "examples/nemo/nemo_step.py"):
         assert needed in command, needed
     assert set(re.findall(r"\$OUT/nemo_\$m\.(\w+)", command)) == {"json", "log"}  # 3 runs x 2 = 6 files <= 8
+
+
+def test_tied_embeddings_default_to_nemos_and_can_be_untied():
+    # NeMo's GPTConfig ties them; the H200 run on megatron-core 0.15.3 failed there (upstream).
+    assert ns.parse([]).tied == "on"
+    assert ns.parse(["--tied", "off"]).tied == "off"
+    source = (NEMO / "nemo_step.py").read_text()
+    assert 'share_embeddings_and_output_weights=args.tied == "on"' in source

@@ -68,6 +68,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     for name, (default, text) in SIZES.items():
         p.add_argument(f"--{name}", type=int, default=default, help=text)
     p.add_argument("--fusion", choices=["on", "off"], default="on", help="GPTConfig.gradient_accumulation_fusion")
+    p.add_argument("--tied", choices=["on", "off"], default="on",
+                   help="GPTConfig.share_embeddings_and_output_weights (NeMo's default: on). megatron-core "
+                        "0.14-0.15's Megatron-FSDP hands the tied weight to the output layer through an identity "
+                        "autograd Function, and its fused wgrad fails there (tests/megatron/test_shared_weights.py)")
     p.add_argument("--sharding", default="optim_grads_params",
                    help="Megatron-FSDP data_parallel_sharding_strategy")
     p.add_argument("--entry", choices=["train", "fit"], default="train",
@@ -156,6 +160,7 @@ def build(args: argparse.Namespace):
     config = llm.GPTConfig(num_layers=args.layers, hidden_size=args.hidden, ffn_hidden_size=4 * args.hidden,
                            num_attention_heads=args.heads, seq_length=args.seq,
                            gradient_accumulation_fusion=args.fusion == "on",
+                           share_embeddings_and_output_weights=args.tied == "on",
                            hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02)
     model = llm.GPTModel(config, tokenizer=tokenizer)
     fields = {f.name for f in dataclasses.fields(DistributedDataParallelConfig)}

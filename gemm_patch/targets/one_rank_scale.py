@@ -30,6 +30,7 @@ as upstream has it.
 from __future__ import annotations
 
 import ast
+import importlib
 import types
 import weakref
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ from typing import Any
 import wrapt
 
 from ..callsite import CallSiteError, check_live_function_is_source, check_live_is_source, fingerprint, parse_method
-from .base import Inspection, MethodTarget, Undo
+from .base import Inspection, MethodTarget, Target, Undo
 
 FUNCTION = "gradient_reduce_preprocessing"
 PREMUL = "torch.distributed._make_nccl_premul_sum"
@@ -98,36 +99,47 @@ class OneRankBuffers:
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class OneRankScaleTarget(MethodTarget):
-    """Fingerprints the three functions it wraps: ``DataParallelBuffer.__init__`` (where the
-    group size and the factor are stored), ``gradient_reduce_preprocessing`` (its PreMulSum
-    branch) and ``ParamAndGradBuffer.update_main_grads``."""
+    """Fingerprints the three functions it wraps, all in ``buffers_module``:
+    ``DataParallelBuffer.__init__`` (where the group size and the factor are stored),
+    ``gradient_reduce_preprocessing`` (its PreMulSum branch) and
+    ``ParamAndGradBuffer.update_main_grads``. It is triggered by Megatron-FSDP's main module,
+    which imports ``buffers_module``, so that it settles with the other Megatron-FSDP targets."""
+
+    buffers_module: str
+
+    def _pgb(self) -> types.ModuleType:
+        return importlib.import_module(self.buffers_module)
 
     def inspect(self, module: types.ModuleType) -> Inspection:
-        update_owner = vars(module).get(BUFFERS)
-        if (not callable(vars(module).get(FUNCTION)) or self.live_object(module) is None
+        pgb = self._pgb()
+        update_owner = vars(pgb).get(BUFFERS)
+        if (not callable(vars(pgb).get(FUNCTION)) or self.live_object(pgb) is None
                 or not isinstance(update_owner, type) or UPDATE not in vars(update_owner)):
-            return Inspection(None, False, f"{module.__name__} has no {FUNCTION}, {self.where} and {BUFFERS}.{UPDATE}")
-        function = check_live_function_is_source(module, FUNCTION)
-        init, update = parse_method(module, self.owner, self.attribute), parse_method(module, BUFFERS, UPDATE)
+            return Inspection(None, False, f"{pgb.__name__} has no {FUNCTION}, {self.where} and {BUFFERS}.{UPDATE}")
+        function = check_live_function_is_source(pgb, FUNCTION)
+        init, update = parse_method(pgb, self.owner, self.attribute), parse_method(pgb, BUFFERS, UPDATE)
         if init is None or update is None:
-            raise CallSiteError(f"{self.where} or {BUFFERS}.{UPDATE} is not in {module.__name__}'s file")
+            raise CallSiteError(f"{self.where} or {BUFFERS}.{UPDATE} is not in {pgb.__name__}'s file")
         found = fingerprint(function, init, update)
         if PREMUL not in ast.unparse(function):
             return Inspection(found, False, f"no `{PREMUL}` in {FUNCTION}")
-        check_live_is_source(module, self.owner, self.attribute)
-        check_live_is_source(module, BUFFERS, UPDATE)
+        check_live_is_source(pgb, self.owner, self.attribute)
+        check_live_is_source(pgb, BUFFERS, UPDATE)
         return Inspection(found, True, f"{FUNCTION}, {self.where}, {BUFFERS}.{UPDATE}")
 
     def install(self, module: types.ModuleType, found: Inspection, undo: Undo, cfg: Any) -> str | None:
-        buffers = OneRankBuffers()
-        self.replace(module, undo, wrapt.FunctionWrapper(self.live_object(module), buffers.record_after_init))
-        for owner, name, wrapper in ((module, FUNCTION, buffers.preprocess),
-                                     (vars(module)[BUFFERS], UPDATE, buffers.scale_before_update)):
+        pgb, buffers = self._pgb(), OneRankBuffers()
+        self.replace(pgb, undo, wrapt.FunctionWrapper(self.live_object(pgb), buffers.record_after_init))
+        for owner, name, wrapper in ((pgb, FUNCTION, buffers.preprocess),
+                                     (vars(pgb)[BUFFERS], UPDATE, buffers.scale_before_update)):
             wrapped = wrapt.FunctionWrapper(vars(owner)[name], wrapper)
             wrapped._self_gemm_patch_target = self.name
             wrapped._self_one_rank_buffers = buffers
             undo.set(owner, name, wrapped)
         return None
+
+    def in_place(self, module: types.ModuleType, undo: Undo) -> str | None:
+        return Target.in_place(self, module, undo)
 
 
 _COMMON = dict(
@@ -140,7 +152,8 @@ _COMMON = dict(
 TARGET = OneRankScaleTarget(
     name="fsdp-one-rank-scale",
     distribution="megatron-core",
-    module="megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer",
+    module="megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp",
+    buffers_module="megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer",
     fingerprints={
         # 0.13.x: no megatron_fsdp package (custom_fsdp).
         **dict.fromkeys(("0.14.0", "0.15.0", "0.15.1", "0.15.2", "0.15.3"), "da63c2a46cc75554"),
@@ -157,7 +170,8 @@ TARGET = OneRankScaleTarget(
 STANDALONE = OneRankScaleTarget(
     name="mfsdp-one-rank-scale",
     distribution="megatron-fsdp",
-    module="megatron_fsdp.param_and_grad_buffer",
+    module="megatron_fsdp.megatron_fsdp",
+    buffers_module="megatron_fsdp.param_and_grad_buffer",
     fingerprints={
         **dict.fromkeys(("0.1.0", "0.2.0", "0.2.1", "0.2.2", "0.2.3"), "da63c2a46cc75554"),
         **dict.fromkeys(("0.3.0", "0.3.1"), "38795255d2f6cf9d"),

@@ -27,7 +27,7 @@ from gemm_patch import detection
 from gemm_patch.targets.one_rank_scale import TARGET
 
 try:
-    pgb = importlib.import_module(TARGET.module)
+    pgb = importlib.import_module(TARGET.buffers_module)
 except ImportError:
     pgb = None
 

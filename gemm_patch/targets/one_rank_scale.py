@@ -90,10 +90,14 @@ class OneRankBuffers:
         return torch.distributed.ReduceOp.SUM
 
     def scale_before_update(self, wrapped, instance, args, kwargs):
-        for buffer in list(self.pending):
+        # Only this ParamAndGradBuffer's own buffers: another model chunk's may still be reduced.
+        owner = instance if instance is not None else (args[0] if args else None)  # called via the class
+        own = {id(g.main_grad_buffer) for g in getattr(owner, "parameter_groups", ())
+               if getattr(g, "main_grad_buffer", None) is not None}
+        for buffer in [b for b in self.pending if id(b) in own]:
             buffer.data.mul_(buffer.gradient_scaling_factor)
+            self.pending.discard(buffer)
             self.scaled += 1
-        self.pending.clear()
         return wrapped(*args, **kwargs)
 
 

@@ -99,8 +99,16 @@ def run_step(buf, config, grads):
         buf.data.add_(g)
         ops.append(pgb.gradient_reduce_preprocessing(buf.data[: buf.data.numel()], buf.gradient_scaling_factor,
                                                      config))
-    pgb.ParamAndGradBuffer.update_main_grads(types.SimpleNamespace(optimizer_named_parameters=[]))
+    update(buf)
     return ops
+
+
+def update(*owned):
+    """The release's own update_main_grads on a ParamAndGradBuffer holding ``owned`` buffers
+    (its parameter groups) and no optimizer parameters."""
+    groups = [types.SimpleNamespace(main_grad_buffer=b) for b in owned]
+    pgb.ParamAndGradBuffer.update_main_grads(types.SimpleNamespace(optimizer_named_parameters=[],
+                                                                   parameter_groups=groups))
 
 
 def test_state_on_this_release():
@@ -116,10 +124,23 @@ def test_factor_applied_once_per_step_over_micro_batches():
     expected = FACTOR * torch.stack(grads).sum(0)
     assert torch.equal(scaled.data, expected)
     # A second update (finish_grad_sync called again) does not scale again.
-    pgb.ParamAndGradBuffer.update_main_grads(types.SimpleNamespace(optimizer_named_parameters=[]))
+    update(scaled)
     assert torch.equal(scaled.data, expected)
     # The neighbouring slices of the same allocation were not touched.
     assert not plain.data.any() and not unit.data.any()
+
+
+@needs_patch
+def test_another_chunks_buffer_waits_for_its_own_update():
+    mine, other = buffers(factors=(FACTOR, FACTOR))
+    for buf in (mine, other):
+        buf.data.add_(1.0)
+        pgb.gradient_reduce_preprocessing(buf.data, FACTOR, ddp_config())
+    update(mine)
+    assert torch.equal(mine.data, torch.full_like(mine.data, FACTOR))
+    assert torch.equal(other.data, torch.ones_like(other.data))  # not yet: its chunk's update comes
+    update(other)
+    assert torch.equal(other.data, torch.full_like(other.data, FACTOR))
 
 
 @needs_patch

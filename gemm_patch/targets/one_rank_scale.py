@@ -48,6 +48,11 @@ UPDATE = "update_main_grads"
 MAIN_COMMIT = "d98e8a64ddf34856e74b24714e3bedb2f5a39553"
 
 
+def _reduce_arguments(grad_data: Any, scaling_factor: Any, ddp_config: Any) -> tuple[Any, Any, Any]:
+    """``gradient_reduce_preprocessing``'s arguments, however they were passed."""
+    return grad_data, scaling_factor, ddp_config
+
+
 class OneRankBuffers:
     """The buffers over one-rank groups that carry a factor (weakly held), those holding
     gradients not yet scaled, and the three wrappers that keep both sets."""
@@ -55,8 +60,6 @@ class OneRankBuffers:
     def __init__(self) -> None:
         self.buffers: weakref.WeakSet = weakref.WeakSet()
         self.pending: weakref.WeakSet = weakref.WeakSet()
-        self.deferred = 0  # reduces that returned SUM instead of applying the factor
-        self.scaled = 0  # buffers multiplied by their factor in update_main_grads
 
     def record_after_init(self, wrapped, instance, args, kwargs):
         result = wrapped(*args, **kwargs)
@@ -78,15 +81,13 @@ class OneRankBuffers:
         return None
 
     def preprocess(self, wrapped, instance, args, kwargs):
-        grad_data, factor, config = (list(args) + [kwargs.get(k) for k in
-                                                   ("grad_data", "scaling_factor", "ddp_config")][len(args):])[:3]
+        grad_data, factor, config = _reduce_arguments(*args, **kwargs)
         buffer = self.owner_of(grad_data) if self.buffers and grad_data is not None else None
         if buffer is None or factor is None or getattr(config, "average_in_collective", False):
             return wrapped(*args, **kwargs)
         import torch
 
         self.pending.add(buffer)
-        self.deferred += 1
         return torch.distributed.ReduceOp.SUM
 
     def scale_before_update(self, wrapped, instance, args, kwargs):
@@ -97,7 +98,6 @@ class OneRankBuffers:
         for buffer in [b for b in self.pending if id(b) in own]:
             buffer.data.mul_(buffer.gradient_scaling_factor)
             self.pending.discard(buffer)
-            self.scaled += 1
         return wrapped(*args, **kwargs)
 
 
@@ -138,7 +138,6 @@ class OneRankScaleTarget(MethodTarget):
                                      (vars(pgb)[BUFFERS], UPDATE, buffers.scale_before_update)):
             wrapped = wrapt.FunctionWrapper(vars(owner)[name], wrapper)
             wrapped._self_gemm_patch_target = self.name
-            wrapped._self_one_rank_buffers = buffers
             undo.set(owner, name, wrapped)
         return None
 

@@ -22,6 +22,18 @@ The patch rebuilds ``_register_fsdp_hooks`` from its source with one statement o
 or the same not-yet-reduced fresh bucket, that the fused writes of this backward went into) only
 for a ``zero_out_wgrad`` weight, as DDP does. The method runs once per MegatronFSDP, in its
 ``__init__``: instances built before the patch keep upstream's hooks.
+
+On megatron-core 0.14-0.15 (megatron-fsdp 0.1-0.2) the twin changes a second statement. There a
+pre-forward hook on every module passes each tensor argument that requires grad through an
+identity autograd Function (``RegisterFSDPBackwardFunction``), so that the module's post-backward
+hook fires. The tied weight, handed to the output layer as ``weight=``, comes out of it as a
+non-leaf tensor without ``__fsdp_param__`` or ``main_grad``, and megatron's fused branch fails on
+the first backward (``'NoneType' object has no attribute 'dtype'``), with or without the rest of
+gemm-patch. The nested ``_register_post_backward_hook`` now leaves Megatron-FSDP parameters out of
+that Function: the output layer receives the parameter itself and takes the Megatron-FSDP branch
+its own weight would take; the hook still fires from the module's activations. Only where the
+method's fingerprint is in ``param_arg_fingerprints`` (0.16+ register that hook on FSDP units
+under ``optim_grads_params`` only, where no weight argument is known to pass: left as it is).
 """
 
 from __future__ import annotations
@@ -60,8 +72,18 @@ def add_shared_grad(param: Any, to_local: Any) -> None:
         param.main_grad.add_(to_local(param.grad))
 
 
-def _nested(funcdef: ast.FunctionDef) -> list[ast.FunctionDef]:
-    return [n for n in funcdef.body if isinstance(n, ast.FunctionDef) and n.name == NESTED]
+ARG_HOOK = "_register_post_backward_hook"
+ARG_TEST = "torch.is_tensor(obj) and obj.requires_grad"
+ARG_CELL = "_gemm_patch_is_fsdp_param"
+
+
+def is_fsdp_param(obj: Any) -> bool:
+    """A Megatron-FSDP parameter, marked as megatron's own layers test it."""
+    return hasattr(obj, "__fsdp_param__")
+
+
+def _nested(funcdef: ast.FunctionDef, name: str = NESTED) -> list[ast.FunctionDef]:
+    return [n for n in funcdef.body if isinstance(n, ast.FunctionDef) and n.name == name]
 
 
 def _statements(nested: ast.FunctionDef) -> list[ast.If]:
@@ -80,7 +102,19 @@ def _site(funcdef: ast.FunctionDef) -> ast.If:
     return statements[0]
 
 
-def _edit(funcdef: ast.FunctionDef) -> None:
+def _arg_site(funcdef: ast.FunctionDef) -> ast.If:
+    """The ``if`` that picks which tensor arguments go through the identity Function."""
+    nested = _nested(funcdef, ARG_HOOK)
+    if len(nested) != 1:
+        raise CallSiteError(f"{len(nested)} nested `def {ARG_HOOK}` in {funcdef.name}")
+    template = canonical_dump(ast.parse(ARG_TEST, mode="eval").body)
+    found = [n for n in ast.walk(nested[0]) if isinstance(n, ast.If) and canonical_dump(n.test) == template]
+    if len(found) != 1:
+        raise CallSiteError(f"{len(found)} `if {ARG_TEST}:` in {ARG_HOOK}")
+    return found[0]
+
+
+def _edit_grad_acc(funcdef: ast.FunctionDef) -> None:
     statement = _site(funcdef)
     call = ast.Expr(value=ast.Call(func=ast.Name(id=CELL, ctx=ast.Load()),
                                    args=[ast.Name(id="param", ctx=ast.Load()),
@@ -88,6 +122,14 @@ def _edit(funcdef: ast.FunctionDef) -> None:
                                    keywords=[]))
     # Positions of the `del`: a traceback through the added call points at megatron's line.
     statement.body.insert(0, ast.copy_location(call, statement.body[0]))
+
+
+def _edit_both(funcdef: ast.FunctionDef) -> None:
+    _edit_grad_acc(funcdef)
+    statement = _arg_site(funcdef)
+    keep_out = ast.UnaryOp(op=ast.Not(), operand=ast.Call(func=ast.Name(id=ARG_CELL, ctx=ast.Load()),
+                                                          args=[ast.Name(id="obj", ctx=ast.Load())], keywords=[]))
+    statement.test = ast.copy_location(ast.BoolOp(op=ast.And(), values=[statement.test, keep_out]), statement.test)
 
 
 def _run_method_twin(twin: Any):
@@ -108,6 +150,10 @@ class PatchedHookRegistration(wrapt.FunctionWrapper):
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class SharedGradTarget(MethodTarget):
+    # Fingerprints of the method where every module call's weight arguments pass through the
+    # identity Function (0.14-0.15): the twin keeps Megatron-FSDP parameters out of it there.
+    param_arg_fingerprints: frozenset[str] = frozenset()
+
     def inspect(self, module: types.ModuleType) -> Inspection:
         funcdef = parse_method(module, self.owner, self.attribute)
         if funcdef is None or self.live_object(module) is None:
@@ -119,14 +165,23 @@ class SharedGradTarget(MethodTarget):
             return Inspection(fp, False, f"no `{STATEMENT.splitlines()[0]} del param.grad` in "
                                          f"{self.where}.{NESTED}")
         _site(funcdef)  # exactly one of each, or CallSiteError: skipped
+        if fp in self.param_arg_fingerprints:
+            _arg_site(funcdef)
         if not callable(vars(module).get(TO_LOCAL)):
             raise CallSiteError(f"{module.__name__} has no global {TO_LOCAL}")
         check_live_is_source(module, self.owner, self.attribute)
         return Inspection(fp, True, f"{self.where}.{NESTED}", AnalysedFunction(module, funcdef, fp, []))
 
     def install(self, module: types.ModuleType, found: Inspection, undo: Undo, cfg: Any) -> str | None:
-        twin = build_edited_twin(found.payload, self.where, _edit, {CELL: add_shared_grad})
+        if found.fingerprint in self.param_arg_fingerprints:
+            twin = build_edited_twin(found.payload, self.where, _edit_both,
+                                     {CELL: add_shared_grad, ARG_CELL: is_fsdp_param})
+            note = f"{ARG_HOOK}: Megatron-FSDP parameters passed as arguments stay parameters"
+        else:
+            twin = build_edited_twin(found.payload, self.where, _edit_grad_acc, {CELL: add_shared_grad})
+            note = None
         self.replace(module, undo, PatchedHookRegistration(self.live_object(module), twin))
+        return note
 
 
 _COMMON = dict(
@@ -134,6 +189,7 @@ _COMMON = dict(
     relies_on="hook registration",
     owner="MegatronFSDP",
     attribute="_register_fsdp_hooks",
+    param_arg_fingerprints=frozenset({"99228b570bb84d8e"}),  # megatron-core 0.14.0-0.15.3, megatron-fsdp 0.1.0-0.2.3
 )
 
 TARGET = SharedGradTarget(

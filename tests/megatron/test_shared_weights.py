@@ -272,7 +272,16 @@ def reference(model: TiedLM, tokens_list, grads_list) -> dict[str, torch.Tensor]
     return {n: p.grad for n, p in params.items()}
 
 
-def train(module_fsdp, *, tied: bool, mtp: bool, distributed: bool, micro_batches: int = 2, seed: int = 0):
+def keeps_weight_arguments(target, module) -> bool:
+    """Whether the installed method is the twin that keeps Megatron-FSDP parameters out of the
+    identity Function (the 0.14-0.15 code, ``param_arg_fingerprints``)."""
+    live = vars(module.MegatronFSDP)[ATTR]
+    return (getattr(live, "_self_gemm_patch_target", None) == target.name
+            and fingerprint(parse_method(module, target.owner, target.attribute)) in target.param_arg_fingerprints)
+
+
+def train(module_fsdp, *, tied: bool, mtp: bool, distributed: bool, micro_batches: int = 2, seed: int = 0,
+          upstream_failure_skips: bool = True):
     """Forward/backward ``micro_batches`` times through MegatronFSDP's hooks; returns the
     model, each parameter's reduced gradient and the fp64 reference."""
     torch.manual_seed(seed)
@@ -287,12 +296,13 @@ def train(module_fsdp, *, tied: bool, mtp: bool, distributed: bool, micro_batche
         try:
             torch.autograd.backward(logits, grads)
         except AttributeError as exc:
-            if tied and "'NoneType' object has no attribute 'dtype'" in str(exc):
+            if upstream_failure_skips and tied and "'NoneType' object has no attribute 'dtype'" in str(exc):
                 # megatron-core 0.14-0.15 / megatron-fsdp 0.1-0.2 register a post-backward hook
                 # on every module that passes its tensor arguments through an identity autograd
                 # Function, so the tied weight reaches the output layer as a non-leaf tensor
                 # without __fsdp_param__ or main_grad and megatron's fused branch fails
-                # (issue13.md): upstream, with or without gemm_patch; no fused write to fix.
+                # (issue13.md): upstream. The target keeps the parameter out of it on the code
+                # it knows (param_arg_fingerprints); elsewhere there is no fused write to fix.
                 pytest.skip("tied weight passed through RegisterFSDPBackwardFunction: megatron's "
                             "fused wgrad fails upstream on this release")
             raise
@@ -322,8 +332,9 @@ BUFFERS = [pytest.param(False, id="persistent"), pytest.param(True, id="fresh")]
 @pytest.mark.parametrize("distributed", BUFFERS)
 @pytest.mark.parametrize("tied, mtp", CASES)
 def test_every_parameter_matches_fp64_autograd(parallel, shared_on, tied, mtp, distributed):
-    _, module = shared_on
-    model, got, ref, obj = train(module, tied=tied, mtp=mtp, distributed=distributed)
+    target, module = shared_on
+    model, got, ref, obj = train(module, tied=tied, mtp=mtp, distributed=distributed,
+                                 upstream_failure_skips=not keeps_weight_arguments(target, module))
     if distributed:
         assert obj.grad_reduce_pipeline.reduced, "no bucket was reduced"
     for name in got:
@@ -341,6 +352,30 @@ def test_without_the_target_the_embedding_gradient_is_lost(parallel, shared_off,
     error = rel(got["embedding.weight"], ref["embedding.weight"])
     assert error > 0.2, error
     assert error < 1.5
+
+
+@needs_code
+@pytest.mark.parametrize("distributed", BUFFERS)
+def test_without_the_target_a_tied_weight_argument_fails_on_0_14_0_15(parallel, shared_off, distributed):
+    """On the code that passes weight arguments through the identity Function, upstream's fused
+    branch finds no main_grad on the tied weight: what the target's second edit prevents."""
+    target, module = shared_off
+    if fingerprint(parse_method(module, target.owner, target.attribute)) not in target.param_arg_fingerprints:
+        pytest.skip("this release hands the tied weight over as the parameter itself")
+    with pytest.raises(AttributeError, match="'NoneType' object has no attribute 'dtype'"):
+        train(module, tied=True, mtp=False, distributed=distributed, upstream_failure_skips=False)
+
+
+@needs_code
+def test_second_edit_only_on_the_recorded_code(shared_on):
+    """The status says which edits the twin made; the argument edit only where recorded."""
+    target, module = shared_on
+    st = next(s for s in gemm_patch.status().targets if s.name == target.name) \
+        if target.name in {s.name for s in gemm_patch.status().targets} else None
+    recorded = fingerprint(parse_method(module, target.owner, target.attribute)) in target.param_arg_fingerprints
+    assert keeps_weight_arguments(target, module) == recorded
+    if st is not None and st.state == "verified":
+        assert (shared_grad.ARG_HOOK in st.reason) == recorded, st.reason
 
 
 @needs_code

@@ -31,6 +31,10 @@ What it prints (lines starting with ``[nemo_step]``) and writes to ``--out`` (JS
 - ``gemm_patch_status``: ``str(gemm_patch.status())``, only when gemm_patch is already active
   (``gemm-patch run`` sets GEMM_PATCH_AUTO=1): importing gemm_patch applies it, so a plain run
   must not import it;
+- ``grad_dump`` (with ``--grad-dump PATH``): every parameter's full reduced gradient of the first
+  step, saved at Lightning's ``on_before_optimizer_step`` (after NeMo's forward-backward and
+  megatron's ``finalize_model_grads``, before clipping and the optimizer) with
+  examples/train_gpt_fsdp.py's ``dump_gradients``, in the format examples/compare_grads.py reads;
 - ``outcome``: "trained" or "failed" with the exception (exit status 1).
 """
 
@@ -77,6 +81,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--entry", choices=["train", "fit"], default="train",
                    help="NeMo's llm.train (default) or trainer.fit directly")
     p.add_argument("--log-dir", default="/tmp/nemo_step_logs", help="NeMoLogger's explicit_log_dir")
+    p.add_argument("--grad-dump", default=None, metavar="PATH",
+                   help="save the first step's full reduced gradients here (examples/compare_grads.py format)")
     p.add_argument("--check-imports", action="store_true",
                    help="import what the run imports, print the versions and exit")
     return p.parse_args(argv)
@@ -180,7 +186,25 @@ def build(args: argparse.Namespace):
     return model, data, strategy, precision, optim
 
 
-def make_probe(result: dict[str, Any]):
+def dump_first_step(trainer: Any, path: str, result: dict[str, Any]) -> None:
+    """The first step's full reduced gradients, through train_gpt_fsdp's reader of Megatron-FSDP's
+    gradients (the same reader as the gradient-parity campaigns). A failure is recorded, not
+    raised: the run's own outcome stays what NeMo does."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+    try:
+        from train_gpt_fsdp import dump_gradients
+
+        summary = dump_gradients(trainer.strategy.model, path, {"run": "nemo_step", "argv": sys.argv[1:]})
+        result["grad_dump"] = {"path": path, "params": summary["params"]}
+        say("grad dump:", summary["params"], "parameters ->", path)
+    except Exception as exc:  # noqa: BLE001 (recorded in the JSON)
+        result["grad_dump"] = {"path": path, "error": f"{type(exc).__name__}: {exc}"}
+        say("grad dump FAILED:", result["grad_dump"]["error"])
+    finally:
+        sys.path.pop(0)
+
+
+def make_probe(result: dict[str, Any], grad_dump: str | None = None):
     import lightning.pytorch as pl
     import torch
 
@@ -196,6 +220,10 @@ def make_probe(result: dict[str, Any]):
             say("after setup: config gradient_accumulation_fusion =", decided)
             for key, count in sorted(result["layers"].items()):
                 say(f"  layer {key}: {count['on']} on, {count['off']} off")
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+            if grad_dump and trainer.global_step == 0 and "grad_dump" not in result:
+                dump_first_step(trainer, grad_dump, result)
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             torch.cuda.synchronize()
@@ -232,7 +260,7 @@ def run(args: argparse.Namespace, result: dict[str, Any]) -> None:
     trainer = nl.Trainer(devices=1, num_nodes=1, accelerator="gpu", strategy=strategy, plugins=precision,
                          max_steps=args.steps, limit_val_batches=0, num_sanity_val_steps=0, log_every_n_steps=1,
                          enable_checkpointing=False, logger=False, enable_progress_bar=False,
-                         callbacks=[make_probe(result)])
+                         callbacks=[make_probe(result, args.grad_dump)])
     if args.entry == "train":
         llm.train(model=model, data=data, trainer=trainer, log=nl.NeMoLogger(explicit_log_dir=args.log_dir),
                   resume=None, optim=optim)

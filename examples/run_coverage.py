@@ -94,7 +94,7 @@ PROTECT_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=not ({"--merge-call", "--append13"} & set(sys.argv[1:] if argv is None else argv)))
     p.add_argument("--issue", type=int, choices=(10, 13), default=10,
                    help="10: the layouts campaign (examples/coverage_issue10.py); 13: tied embeddings and MTP")
     p.add_argument("--smoke", action="store_true",
@@ -106,6 +106,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--merge-call", metavar="DIR",
                    help="merge a call's coverage10_rows.json and coverage10_run.json (from DIR) into --results "
                         "in place, regenerate coverage.md and the plot; nothing runs")
+    p.add_argument("--append13", nargs="+", metavar="DIR",
+                   help="add issue-13 calls (each DIR: a call's OUT with coverage.json and coverage_runs.json) "
+                        "to --results, after the calls already there; nothing runs")
     p.add_argument("--merge", nargs="+", metavar="COVERAGE_JSON",
                    help="merge coverage.json files of several calls instead of running: records keyed by "
                         "(release, layout, strategy, micro_batches), a later file's record replacing an earlier "
@@ -668,6 +671,34 @@ def merge(paths: list[str]) -> dict[str, Any]:
     return merged
 
 
+def append13(results: Path, dirs: list[Path]) -> tuple[dict[str, Any], list[dict]]:
+    """The results folder's issue-13 campaign with each call in ``dirs`` added as one more call
+    (its records replace those of the same key, its processes are appended), and the issue-13
+    rows those calls produced (the releases and layouts of their records)."""
+    merged = read_runs(results)["issue13"]
+    records = {(r["release"], r["layout"], r["strategy"], r["micro_batches"]): r for r in merged["records"]}
+    new_rows: list[dict] = []
+    for d in dirs:
+        res = json.loads((d / "coverage_runs.json").read_text())["issue13"]
+        i = len(merged["calls"])
+        merged["calls"].append({**{k: res.get(k) for k in ("campaign_seconds", "gemm_patch_sha", "gemm_patch_roots",
+                                                           "tree_state", "gpu", "model")},
+                                "call": i, "source": str(d),
+                                "layouts": sorted({r["layout"] for r in res["records"]}),
+                                "releases": sorted({r["release"] for r in res["records"]})})
+        merged["processes"] += [{**p, "call": i} for p in res["processes"]]
+        for r in res["records"]:
+            records[(r["release"], r["layout"], r["strategy"], r["micro_batches"])] = {**r, "call": i}
+        groups = {(r["release"], r["layout"]) for r in res["records"]}
+        new_rows += [r for r in I10.load_rows(d / "coverage.json")
+                     if r.get("issue") == 13 and (r["release"], r["layout"]) in groups]
+    order = {name: i for i, name in enumerate(LAYOUTS)}
+    merged["records"] = sorted(records.values(), key=lambda r: (r["release"], order.get(r["layout"], 99),
+                                                                r["strategy"], -r["micro_batches"]))
+    merged["campaign_seconds"] = sum(c.get("campaign_seconds") or 0 for c in merged["calls"])
+    return merged, new_rows
+
+
 # -- issue 10, and the results folder's files ---------------------------------------------------
 
 def make_processes10(args, scratch: Path) -> list[dict[str, Any]]:
@@ -780,6 +811,11 @@ def main(argv=None) -> int:
         run = json.loads((call / "coverage10_run.json").read_text())
         rows = write_results(Path(args.results), Path(args.results), new, {"issue10_call": run})
         print(f"merged {len(new)} rows into {args.results}: {len(rows)} rows")
+        return 0
+    if args.append13:
+        runs, rows = append13(Path(args.results), [Path(d) for d in args.append13])
+        write_results(Path(args.results), Path(args.results), rows, {"issue13": runs})
+        print(f"appended {len(args.append13)} calls: {len(runs['records'])} records, {len(rows)} new rows")
         return 0
     if args.merge:
         result = merge(args.merge)

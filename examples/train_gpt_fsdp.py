@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import json
 import os
@@ -227,7 +228,8 @@ def build_configs(run: dict[str, Any]):
     extra: dict[str, Any] = {}
     extra_ddp: dict[str, Any] = {}
     if run.get("mtp_layers"):
-        extra["mtp_num_layers"] = int(run["mtp_layers"])
+        # 0.16+'s default; 0.15.x defaults to None and divides it (gpt_model.py:574 in 0.15.3).
+        extra.update(mtp_num_layers=int(run["mtp_layers"]), mtp_loss_scaling_factor=0.1)
     if run.get("moe_experts"):
         # 4-8 experts top-2 through TE's grouped GEMM (fused wgrad into main_grad like the dense
         # TE layers), a shared expert, alltoall dispatcher, the load-balancing aux loss.
@@ -292,9 +294,11 @@ def build_configs(run: dict[str, Any]):
         # megatron-core <= 0.17 maps grad_reduce_in_fp32 to fp32 main grads; 0.19 no longer does
         # (mcore_fsdp_adapter.py builds the MixedPrecisionPolicy from the megatron_fsdp_* fields
         # alone, and None means "the parameters' dtype", i.e. bf16), so both are set explicitly.
+        # (0.15.x has no megatron_fsdp_* fields: grad_reduce_in_fp32 alone decides there.)
         grad_reduce_in_fp32=fp32_grads,
-        megatron_fsdp_main_grads_dtype=torch.float32 if fp32_grads else torch.bfloat16,
-        megatron_fsdp_grad_comm_dtype=torch.float32 if fp32_grads else torch.bfloat16,
+        **{k: v for k, v in (("megatron_fsdp_main_grads_dtype", torch.float32 if fp32_grads else torch.bfloat16),
+                             ("megatron_fsdp_grad_comm_dtype", torch.float32 if fp32_grads else torch.bfloat16))
+           if k in {f.name for f in dataclasses.fields(DistributedDataParallelConfig)}},
     )
     opt_config = OptimizerConfig(
         optimizer="adam",

@@ -18,8 +18,11 @@ import sys
 from pathlib import Path
 
 BOUND = 2.0 ** -7
-MARKERS = {("0.17.1", "fusion_off"): ("o", "tab:blue"), ("0.17.1", "autograd"): ("s", "tab:cyan"),
+MARKERS = {("0.15.3", "fusion_off"): ("o", "tab:green"), ("0.15.3", "autograd"): ("s", "tab:olive"),
+           ("0.17.1", "fusion_off"): ("o", "tab:blue"), ("0.17.1", "autograd"): ("s", "tab:cyan"),
            ("0.19.2", "fusion_off"): ("o", "tab:red"), ("0.19.2", "autograd"): ("s", "tab:orange")}
+
+RELEASE_OFFSET = {"0.15.3": 0.0, "0.17.1": -0.2, "0.19.2": 0.2}  # x offset of each release's markers
 
 
 def worst_per_layout(rows: list[dict], config: str) -> dict[tuple, float]:
@@ -44,7 +47,7 @@ def plot(rows: list[dict], png: Path) -> None:
     fig, ax = plt.subplots(figsize=(max(9, 0.55 * len(layouts) + 3), 4.2))
     x = {lay: i for i, lay in enumerate(layouts)}
     for (rel, oracle), (marker, color) in MARKERS.items():
-        off = (0.2 if rel == "0.19.2" else -0.2) + (0.08 if oracle == "autograd" else -0.08)
+        off = RELEASE_OFFSET.get(rel, 0.0) + (0.08 if oracle == "autograd" else -0.08)
         pts = [(x[lay] + off, v) for (lay, r, o), v in after.items() if r == rel and o == oracle and lay in x]
         if pts:
             ax.scatter(*zip(*pts, strict=True), marker=marker, color=color, label=f"{rel} vs {oracle}", zorder=3)
@@ -57,7 +60,7 @@ def plot(rows: list[dict], png: Path) -> None:
         if r.get("config") == "after" and r.get("passed") is False and r["layout"] in x and \
                 (r.get("upstream") or r.get("harness_issue")) and r.get("max_rel_diff") is not None and \
                 r["max_rel_diff"] >= after.get((r["layout"], r["release"], r["oracle"]), 0.0):
-            off = (0.2 if r["release"] == "0.19.2" else -0.2) + (0.08 if r["oracle"] == "autograd" else -0.08)
+            off = RELEASE_OFFSET.get(r["release"], 0.0) + (0.08 if r["oracle"] == "autograd" else -0.08)
             ax.annotate("upstream" if r.get("upstream") else "harness", (x[r["layout"]] + off, r["max_rel_diff"]),
                         xytext=(3, 3), textcoords="offset points", fontsize=6, rotation=60)
     for lay in layouts:

@@ -594,6 +594,11 @@ def markdown(result: dict[str, Any]) -> str:
     if failing:
         lines += ["", "Failing comparisons' worst parameter: " +
                   "; ".join(f"{c}: `{w}`" for c, w in failing) + "."]
+    for c in (c for c in result.get("calls", []) if c.get("appended")):  # --append13: own before/after
+        state = "; ".join((c.get("tree_state") or "").splitlines()[:2])
+        lines += ["", f"Call {c['call']} ({', '.join(c.get('releases', []))}: {', '.join(c.get('layouts', []))}): "
+                      f"{state}. A configuration without rows here did not run to a gradient dump: its error "
+                      "is in the call's logs."]
     lines += ["", f"Loss rule ({result['model']['steps']} steps, 4 micro-batches): {result['loss_rule']}. "
               "fusion_off ran twice per layout and was bitwise identical (noise 0), so the untied models' "
               "fused-vs-off difference is the tolerance's basis.", "",
@@ -683,7 +688,7 @@ def append13(results: Path, dirs: list[Path]) -> tuple[dict[str, Any], list[dict
         i = len(merged["calls"])
         merged["calls"].append({**{k: res.get(k) for k in ("campaign_seconds", "gemm_patch_sha", "gemm_patch_roots",
                                                            "tree_state", "gpu", "model")},
-                                "call": i, "source": str(d),
+                                "call": i, "source": str(d), "appended": True,
                                 "layouts": sorted({r["layout"] for r in res["records"]}),
                                 "releases": sorted({r["release"] for r in res["records"]})})
         merged["processes"] += [{**p, "call": i} for p in res["processes"]]

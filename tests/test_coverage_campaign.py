@@ -180,3 +180,32 @@ def test_ep2_after_vs_the_buggy_oracle_is_annotated_and_before_leaves_out_the_on
     assert out[0]["upstream"] == I10.UPSTREAM_ORACLE_EP and out[0]["passed"] is False
     assert "upstream" not in out[1] and "upstream" not in out[2]
     assert I10.left_out("ep2_moe") == "fsdp-one-rank-scale" and I10.left_out("dp1_moe") == "moe-te-overwrite"
+
+
+def test_append13_adds_a_call_after_the_existing_ones(tmp_path):
+    """A device call's OUT (its coverage.json: every row, old ones included; its coverage_runs.json:
+    that call alone) is added as one more call; earlier calls, records and rows stay."""
+    row = {"issue": 13, "release": "0.17.1", "layout": "dp1_tied", "strategy": "no_shard", "variant": "",
+           "micro_batches": 4, "config": "after", "oracle": "autograd", "max_rel_diff": 1e-3, "passed": True}
+    rec = {"release": "0.17.1", "layout": "dp1_tied", "strategy": "no_shard", "micro_batches": 4, "oracles": {}}
+    results, call = tmp_path / "results", tmp_path / "call"
+    results.mkdir(), call.mkdir()
+    (results / "coverage.json").write_text(json.dumps([row]))
+    top = {"schema": "s", "gpu": "H200", "model": {"steps": 20}, "bound": {"rule": "r"}, "loss_rule": "l",
+           "concurrency": "c", "gemm_patch_sha": {"before": "b", "after": "a"}, "tree_state": "t"}
+    (results / "coverage_runs.json").write_text(json.dumps({"issue13": {
+        **top, "calls": [{"call": 0, "campaign_seconds": 10.0}], "processes": [{"name": "p0", "call": 0}],
+        "records": [rec], "campaign_seconds": 10.0}}))
+    new_row = {**row, "release": "0.15.3", "max_rel_diff": 2e-3}
+    (call / "coverage.json").write_text(json.dumps([row, new_row]))
+    (call / "coverage_runs.json").write_text(json.dumps({"issue13": {
+        **top, "tree_state": "before = X\nafter = Y", "campaign_seconds": 5.0, "processes": [{"name": "p1"}],
+        "records": [{**rec, "release": "0.15.3"}]}}))
+    assert rc.main(["--append13", str(call), "--results", str(results)]) == 0
+    runs = json.loads((results / "coverage_runs.json").read_text())["issue13"]
+    assert [c["call"] for c in runs["calls"]] == [0, 1] and runs["calls"][1]["releases"] == ["0.15.3"]
+    assert [p["call"] for p in runs["processes"]] == [0, 1]
+    assert [r["release"] for r in runs["records"]] == ["0.15.3", "0.17.1"] and runs["campaign_seconds"] == 15.0
+    rows = json.loads((results / "coverage.json").read_text())
+    assert sorted(r["release"] for r in rows) == ["0.15.3", "0.17.1"]
+    assert "Call 1 (0.15.3: dp1_tied): before = X; after = Y." in (results / "coverage.md").read_text()

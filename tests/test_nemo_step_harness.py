@@ -150,15 +150,29 @@ def test_pack_list_and_readme_table_agree():
     assert cells == pins
 
 
-def test_device_command_fits_one_call():
-    readme = (NEMO / "README.md").read_text()
-    (command,) = re.findall(r"```\n(.*?)\n```", readme.split("## The device call", 1)[1], re.S)[:1]
-    assert "\n" not in command and len(command) <= 2000
-    for needed in ("source .devkit/setup.sh", "--target /tmp/gp/mc0153 .nemo273/mc/*.whl; } && mcore 0.15.3 &&",
-                   "import megatron.core.inference.unified_memory", "--no-index --no-deps", "export PYTHONPATH=$N:",
-                   "env GEMM_PATCH_NEMO_FSDP_GAF=1 python3 -m gemm_patch run --", "examples/nemo/nemo_step.py"):
-        assert needed in command, needed
-    assert set(re.findall(r"\$OUT/nemo_\$m\.(\w+)", command)) == {"json", "log"}  # 3 runs x 2 = 6 files <= 8
+def test_device_script_runs_every_configuration_and_compares_against_fusion_off():
+    script = NEMO / "run_h200.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    text = script.read_text()
+    (runs,) = re.findall(r'RUNS=\$\{RUNS:-"([^"]+)"\}', text)
+    assert set(runs.split()) == {"gaf_tied", "off_tied", "gaf_untied", "off_untied", "patched_tied", "plain_tied"}
+    for needed in ("source .devkit/setup.sh", "--target /tmp/gp/mc0153 .nemo273/mc/*.whl", "mcore 0.15.3",
+                   "import megatron.core.inference.unified_memory", "--no-index --no-deps",
+                   "env GEMM_PATCH_NEMO_FSDP_GAF=1 python3 -m gemm_patch run --", "examples/nemo/nemo_step.py",
+                   '--grad-dump "$W/dumps/$name.pt"', "examples/compare_grads.py --batch",
+                   'off_${r#*_}.pt', "MASTER_PORT=$((29500 + $2))"):
+        assert needed in text, needed
+    # one file comes back (the device returns at most 8)
+    assert re.findall(r'\$OUT/[\w.$]+', text) == ['$OUT/nemo_h200.tgz']
+
+
+def test_grad_dump_is_optional_and_a_failure_is_recorded_not_raised(capsys):
+    assert ns.parse([]).grad_dump is None
+    assert ns.parse(["--grad-dump", "/tmp/x.pt"]).grad_dump == "/tmp/x.pt"
+    result = {}
+    ns.dump_first_step(object(), "/tmp/never.pt", result)  # no trainer.strategy: the dump fails
+    assert result["grad_dump"]["path"] == "/tmp/never.pt" and "AttributeError" in result["grad_dump"]["error"]
+    assert "grad dump FAILED" in capsys.readouterr().out
 
 
 def test_tied_embeddings_default_to_nemos_and_can_be_untied():

@@ -94,7 +94,7 @@ PROTECT_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=not ({"--merge-call", "--append13"} & set(sys.argv[1:] if argv is None else argv)))
+    p.add_argument("--out", help="where a campaign or --merge writes (not needed by --merge-call, --append13)")
     p.add_argument("--issue", type=int, choices=(10, 13), default=10,
                    help="10: the layouts campaign (examples/coverage_issue10.py); 13: tied embeddings and MTP")
     p.add_argument("--smoke", action="store_true",
@@ -147,6 +147,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dry", action="store_true", help="write the plans and print the commands only")
     p.add_argument("--compare-only", action="store_true", help="skip training; compare what is in scratch")
     args = p.parse_args(argv)
+    if args.out is None and not (args.merge_call or args.append13):
+        p.error("--out is required unless --merge-call or --append13 is given")
     if args.layouts is None:
         args.layouts = ",".join(I10.SMOKE_LAYOUTS if args.smoke else I10.LAYOUTS) if args.issue == 10 else \
             "dp1_tied,dp1_tied_mtp,dp2_tied,dp2_tied_mtp"
@@ -638,6 +640,27 @@ def dumps(result: dict[str, Any]) -> str:
     return "{\n " + ",\n ".join(parts) + "\n}\n"
 
 
+LAYOUT_ORDER = {name: i for i, name in enumerate(LAYOUTS)}
+CALL_FIELDS = ("campaign_seconds", "gemm_patch_sha", "gemm_patch_roots", "tree_state", "gpu", "model")
+
+
+def call_summary(res: dict[str, Any], i: int, source: Any) -> dict[str, Any]:
+    """One issue-13 call as the merged campaign lists it: its own fields, where it came from and
+    the layouts and releases of its records."""
+    return {**{k: res.get(k) for k in CALL_FIELDS}, "call": i, "source": str(source),
+            "layouts": sorted({r["layout"] for r in res["records"]}),
+            "releases": sorted({r["release"] for r in res["records"]})}
+
+
+def record_key(r: dict[str, Any]) -> tuple:
+    return r["release"], r["layout"], r["strategy"], r["micro_batches"]
+
+
+def sort_key(r: dict[str, Any]) -> tuple:
+    """Records and rows in release, layout (LAYOUTS order), strategy, then most micro-batches first."""
+    return r["release"], LAYOUT_ORDER.get(r["layout"], 99), r["strategy"], -r["micro_batches"]
+
+
 def merge(paths: list[str]) -> dict[str, Any]:
     """One result from several calls' coverage.json (each call is self-contained: its own oracles
     and configurations; only whole records move)."""
@@ -647,30 +670,20 @@ def merge(paths: list[str]) -> dict[str, Any]:
     calls = []
     for i, path in enumerate(paths):
         res = json.loads(Path(path).read_text())
-        call = {k: res.get(k) for k in ("campaign_seconds", "gemm_patch_sha", "gemm_patch_roots", "tree_state",
-                                        "gpu", "model")}
-        call.update(call=i, source=str(path),
-                    layouts=sorted({r["layout"] for r in res["records"]}),
-                    releases=sorted({r["release"] for r in res["records"]}),
-                    processes=res["processes"])
-        calls.append(call)
+        calls.append({**call_summary(res, i, path), "processes": res["processes"]})
         for r in res["records"]:
-            records[(r["release"], r["layout"], r["strategy"], r["micro_batches"])] = {**r, "call": i}
+            records[record_key(r)] = {**r, "call": i}
         for r in res["rows"]:
-            rows[(r["release"], r["layout"], r["strategy"], r["micro_batches"], r["config"], r["oracle"])] = {
-                **r, "call": i}
+            rows[(*record_key(r), r["config"], r["oracle"])] = {**r, "call": i}
         # Top-level fields (rules, shas) from the last file: the newest statement of the rules.
         merged = {k: v for k, v in res.items() if k not in ("records", "rows", "processes")}
     assert merged is not None
-    order = {name: i for i, name in enumerate(LAYOUTS)}
     merged.update(
         campaign_seconds=sum(c["campaign_seconds"] or 0 for c in calls),
         calls=[{k: v for k, v in c.items() if k != "processes"} for c in calls],
         processes=[{**p, "call": c["call"]} for c in calls for p in c["processes"]],
-        records=sorted(records.values(), key=lambda r: (r["release"], order.get(r["layout"], 99), r["strategy"],
-                                                        -r["micro_batches"])),
-        rows=sorted(rows.values(), key=lambda r: (r["release"], order.get(r["layout"], 99), r["strategy"],
-                                                  -r["micro_batches"], r["config"], r["oracle"])),
+        records=sorted(records.values(), key=sort_key),
+        rows=sorted(rows.values(), key=lambda r: (*sort_key(r), r["config"], r["oracle"])),
     )
     # A process listed by an earlier call whose records were all replaced is kept (its call says so).
     return merged
@@ -681,25 +694,19 @@ def append13(results: Path, dirs: list[Path]) -> tuple[dict[str, Any], list[dict
     (its records replace those of the same key, its processes are appended), and the issue-13
     rows those calls produced (the releases and layouts of their records)."""
     merged = read_runs(results)["issue13"]
-    records = {(r["release"], r["layout"], r["strategy"], r["micro_batches"]): r for r in merged["records"]}
+    records = {record_key(r): r for r in merged["records"]}
     new_rows: list[dict] = []
     for d in dirs:
         res = json.loads((d / "coverage_runs.json").read_text())["issue13"]
         i = len(merged["calls"])
-        merged["calls"].append({**{k: res.get(k) for k in ("campaign_seconds", "gemm_patch_sha", "gemm_patch_roots",
-                                                           "tree_state", "gpu", "model")},
-                                "call": i, "source": str(d), "appended": True,
-                                "layouts": sorted({r["layout"] for r in res["records"]}),
-                                "releases": sorted({r["release"] for r in res["records"]})})
+        merged["calls"].append({**call_summary(res, i, d), "appended": True})
         merged["processes"] += [{**p, "call": i} for p in res["processes"]]
         for r in res["records"]:
-            records[(r["release"], r["layout"], r["strategy"], r["micro_batches"])] = {**r, "call": i}
+            records[record_key(r)] = {**r, "call": i}
         groups = {(r["release"], r["layout"]) for r in res["records"]}
         new_rows += [r for r in I10.load_rows(d / "coverage.json")
                      if r.get("issue") == 13 and (r["release"], r["layout"]) in groups]
-    order = {name: i for i, name in enumerate(LAYOUTS)}
-    merged["records"] = sorted(records.values(), key=lambda r: (r["release"], order.get(r["layout"], 99),
-                                                                r["strategy"], -r["micro_batches"]))
+    merged["records"] = sorted(records.values(), key=sort_key)
     merged["campaign_seconds"] = sum(c.get("campaign_seconds") or 0 for c in merged["calls"])
     return merged, new_rows
 

@@ -296,8 +296,8 @@ def build_configs(run: dict[str, Any]):
         # alone, and None means "the parameters' dtype", i.e. bf16), so both are set explicitly.
         # (0.15.x has no megatron_fsdp_* fields: grad_reduce_in_fp32 alone decides there.)
         grad_reduce_in_fp32=fp32_grads,
-        **{k: v for k, v in (("megatron_fsdp_main_grads_dtype", torch.float32 if fp32_grads else torch.bfloat16),
-                             ("megatron_fsdp_grad_comm_dtype", torch.float32 if fp32_grads else torch.bfloat16))
+        **{k: torch.float32 if fp32_grads else torch.bfloat16
+           for k in ("megatron_fsdp_main_grads_dtype", "megatron_fsdp_grad_comm_dtype")
            if k in {f.name for f in dataclasses.fields(DistributedDataParallelConfig)}},
     )
     opt_config = OptimizerConfig(

@@ -1,13 +1,13 @@
 #!/usr/bin/env python
-"""Issue 12's width benchmark: Megatron-FSDP GPT at realistic width on 1 and 2 GPUs, three
+"""The width benchmark: Megatron-FSDP GPT at realistic width on 1 and 2 GPUs, three
 configurations, one torchrun process per (configuration, round), rounds interleaved.
 
     python benchmarks/e2e_width.py --out OUT [--part probes,round1] [--rounds 3] ...
     python benchmarks/e2e_width.py --merge OUT/e2e_width_part*.json --write benchmarks/results/e2e_width_h200.json
 
-Model (issue 12): 4 layers, hidden 4096, FFN 16384, vocabulary 128256, sequence 4096, micro-batch
+Model: 4 layers, hidden 4096, FFN 16384, vocabulary 128256, sequence 4096, micro-batch
 1 x 4 micro-batches, ``optim_grads_params``, TE layer spec, untied output layer, megatron-core's
-GPT through examples/train_gpt_fsdp.py (steps 10, the first 2 untimed).
+GPT through validation/parity/train_gpt_fsdp.py (steps 10, the first 2 untimed).
 
 Configurations:
   * ``fusion_off``: gradient-accumulation fusion off, fp32 main grads; plain torchrun, no gemm_patch.
@@ -16,14 +16,14 @@ Configurations:
 Extras, one round each: ``patched_dummy_off`` (GEMM_PATCH_FSDP_DUMMY_GRAD=0: megatron's own dummy
 grad_weight, i.e. gemm-patch 0.2.0) and ``patched_te_fresh`` (an experiment, not a feature: TE's
 per-shape dummy cache replaced by a per-call allocation, benchmarks/step_probe.py).
-Probes (issue 12 part 2): ``fusion_off`` and ``patched`` with a memory history up to step 3 and a
+Probes: ``fusion_off`` and ``patched`` with a memory history up to step 3 and a
 profile of step 4 (benchmarks/step_probe.py), on 2 GPUs (``probes1``: also 1 GPU; ``bf16probe``:
 ``bf16_grads`` on 2 GPUs); their timings are not used.
 
 On a 2-GPU machine two 1-GPU processes run at once, one per GPU (the pairs rotate between rounds,
 and the JSON records who ran beside whom); 2-GPU processes run alone. Every process has a
 timeout, no process starts after ``--deadline`` seconds, and the part JSON is rewritten after each
-process, so a cut-off call still returns what finished.
+process, so a cut-off run still leaves what finished.
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "examples" / "train_gpt_fsdp.py"
+SCRIPT = ROOT / "validation" / "parity" / "train_gpt_fsdp.py"
 MODEL = {"layers": 4, "hidden": 4096, "seq": 4096, "vocab": 128256, "micro_batch_size": 1,
          "micro_batches": 4, "sharding": "optim_grads_params", "steps": 10, "untimed": 2}
-# Issue 12's second model ("if it fits"): hidden 8192, 2 layers (FFN 32768), same vocabulary.
+# The second, wider model: hidden 8192, 2 layers (FFN 32768), same vocabulary.
 WIDE = {**MODEL, "layers": 2, "hidden": 8192}
 FFN = 4  # train_gpt_fsdp.py builds FFN = 4 x hidden (16384 at hidden 4096)
 H200_BF16_DENSE_TFLOPS = 989.4  # NVIDIA's H200 SXM datasheet, dense bf16
@@ -170,7 +170,7 @@ def _line(r: dict[str, Any]) -> str:
 
 
 def merge(parts: list[Path]) -> dict[str, Any]:
-    """All parts' tasks -> the issue's shape: results[gpus][config] with medians over rounds."""
+    """All parts' tasks -> one result: results[gpus][config] with medians over rounds."""
     loaded = [json.loads(p.read_text()) for p in parts]
     tasks = [t for part in loaded for t in part["tasks"]]
     model = loaded[0].get("model", MODEL)  # parts before the --model option ran the base model
@@ -207,7 +207,7 @@ def merge(parts: list[Path]) -> dict[str, Any]:
                 r["step_vs_bf16_grads"] = round(r["median_step_ms"] / base["bf16_grads"]["median_step_ms"], 4)
     probes = {t["name"]: {"result": t.get("result", {}).get("probe"), "memory": t.get("probe_memory"),
                           "profile": t.get("probe_profile"), "rc": t.get("rc")} for t in tasks if t.get("probe")}
-    return {"schema": "gemm_patch.e2e_width/1", "issue": 12, "model": model,
+    return {"schema": "gemm_patch.e2e_width/1", "benchmark": "width", "model": model,
             "gpus": sorted({g for part in loaded for g in part.get("gpus", [])}),
             "flops_per_token": flops_per_token(model), "peak_tflops_per_gpu": H200_BF16_DENSE_TFLOPS,
             "environment": env, "results": results, "probes": probes,
@@ -231,7 +231,7 @@ def main() -> int:
     p.add_argument("--proc-limit", type=float, default=110)
     p.add_argument("--scratch", default="/tmp/e2e_width")
     p.add_argument("--model", choices=("base", "wide"), default="base",
-                   help="base: hidden 4096, 4 layers; wide: hidden 8192, 2 layers (issue 12's second model)")
+                   help="base: hidden 4096, 4 layers; wide: hidden 8192, 2 layers (the wider model)")
     p.add_argument("--merge", nargs="*", help="part JSONs to merge (no run)")
     p.add_argument("--write", help="with --merge: the merged JSON")
     args = p.parse_args()

@@ -1,4 +1,4 @@
-"""Issue 12's probes inside examples/train_gpt_fsdp.py's training loop: a CUDA memory history
+"""The width benchmark's probes inside validation/parity/train_gpt_fsdp.py's training loop: a CUDA memory history
 from the model's construction to the end of one step (what is alive at that step's peak, who
 allocated it, how long it lives), and a torch-profiler trace of the next step (GPU time of the
 GEMMs, the reduce-scatters and all-gathers, the element-wise kernels the gradient hooks run).

@@ -1,5 +1,5 @@
-"""benchmarks/e2e_width.py's bookkeeping (issue 12), on the CPU: the round schedule, the merge into
-the issue's result shape, and the committed H200 results file in that shape."""
+"""benchmarks/e2e_width.py's bookkeeping, on the CPU: the round schedule, the merge into the
+result's shape, and the committed H200 results file in that shape."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def test_merge_takes_medians_over_rounds_and_ratios_against_both_references(tmp_
     assert merged["patched"]["rounds"] == 3
 
 
-def test_committed_h200_results_have_the_issue_shape():
+def test_committed_h200_results_have_the_merged_shape():
     data = json.loads((ROOT / "benchmarks" / "results" / "e2e_width_h200.json").read_text())
     for gpus in ("1", "2"):
         for config in e2e_width.MAIN:

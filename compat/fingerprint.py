@@ -18,8 +18,8 @@ os.environ["GEMM_PATCH"] = "0"  # look at the unpatched source
 
 from gemm_patch import detection  # noqa: E402
 from gemm_patch.callsite import CallSiteError  # noqa: E402
+from gemm_patch.target import public_version  # noqa: E402
 from gemm_patch.targets import REGISTRY  # noqa: E402
-from gemm_patch.targets.base import public_version  # noqa: E402
 
 
 def main() -> int:

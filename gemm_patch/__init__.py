@@ -9,7 +9,11 @@ from __future__ import annotations
 
 __version__ = "0.2.0"
 
+from . import patcher as _patcher  # noqa: E402
 from .patcher import GemmPatchError, Status, apply, revert, status  # noqa: E402
+from .targets import REGISTRY as _REGISTRY  # noqa: E402
+
+_patcher.use_targets(_REGISTRY)
 
 __all__ = ["GemmPatchError", "Status", "__version__", "apply", "revert", "status"]
 

@@ -295,3 +295,4 @@ def build_edited_twin(analysed: AnalysedFunction, qualname: str,
     function = namespace[FACTORY](*cells.values())
     function.__qualname__ = qualname
     return _decorate(function, decorators, module)
+

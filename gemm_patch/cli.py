@@ -43,10 +43,26 @@ GEMM_PATCH_LOG_LEVEL=DEBUG also logs the warnings that importing megatron raises
 
 def _apply_as_on_import() -> None:
     """What ``import gemm_patch`` does in any other process (the package skips it for its own
-    command); raises GemmPatchError in strict mode."""
+    command); raises GemmPatchError in strict mode. A bad variable is said once, in the command's
+    own words (``gemm-patch status: ...``), not also as a log line."""
     import gemm_patch
 
-    gemm_patch._auto_apply()
+    from . import config
+
+    if _config_error() is None or config.strict_requested():  # strict mode refuses it, in one line
+        gemm_patch._auto_apply()
+
+
+def _config_error() -> str | None:
+    from . import config, patcher
+
+    if not config.enabled():
+        return None
+    try:
+        patcher.load_config()
+    except config.ConfigError as exc:
+        return str(exc)
+    return None
 
 
 def import_targets_quietly() -> int:
@@ -81,6 +97,7 @@ def _status(args: argparse.Namespace) -> int:
     import gemm_patch
 
     suppressed = None if args.no_import else import_targets_quietly()
+    _start_cuda_if_present()
     st = gemm_patch.status()
     note = warnings_note(suppressed)
     if args.json:
@@ -88,16 +105,48 @@ def _status(args: argparse.Namespace) -> int:
         if note:  # stdout stays pure JSON
             print(note.strip(), file=sys.stderr)
     else:
-        print(st)
+        print(st.render(all_targets=args.all))
         if note:
             print(note)
-    return EXIT_FAILED if st.config_error else EXIT_OK
+        if not _installed_as_package():
+            print("  note: gemm_patch is imported from a source tree, not installed: GEMM_PATCH_AUTO=1 needs "
+                  "the package installed (pip install PATH, or a wheel) and does nothing without it; "
+                  "`import gemm_patch` and `gemm-patch run` work either way")
+    if st.config_error:
+        sys.stdout.flush()
+        print(f"gemm-patch {args.command}: {st.config_error}", file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def _start_cuda_if_present() -> None:
+    """Let the status name the backend in use on the GPU: status() itself never creates a CUDA
+    context (in a training process that would land on device 0 before the job picks its own)."""
+    if "torch" in sys.modules:
+        torch = sys.modules["torch"]
+        try:
+            if torch.cuda.is_available():
+                torch.cuda.init()
+        except Exception:
+            pass
+
+
+def _installed_as_package() -> bool:
+    """Whether the gemm_patch that runs is an installed distribution (wheel or editable), which
+    the ``.pth`` start-up hook of GEMM_PATCH_AUTO=1 needs."""
+    from importlib import metadata
+
+    try:
+        metadata.version("gemm-patch")
+    except metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 def _demo(args: argparse.Namespace) -> int:
     from .demo import main as demo_main
 
-    return demo_main(suppressed_warnings=import_targets_quietly())
+    return demo_main(note=warnings_note(import_targets_quietly()))
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -131,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "and which GEMM backends would run.", epilog=EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="machine-readable (schema 1)")
+    p.add_argument("--all", action="store_true", help="every target, also those for code not installed here")
     p.add_argument("--no-import", action="store_true", help="don't import the target modules first")
     p.set_defaults(func=_status)
     p = sub.add_parser("demo", help="the crash, then the fix, on megatron-core's FSDP wgrad path",

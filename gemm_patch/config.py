@@ -27,6 +27,7 @@ class Config:
     log_level: str = "INFO"
     allow_unverified: bool = False
     switches: Mapping[str, bool] = field(default_factory=dict)  # a target's variable -> on
+    left_out: frozenset[str] = frozenset()  # GEMM_PATCH_DISABLE: target names
 
     def switch_on(self, variable: str, default: bool = True) -> bool:
         return self.switches.get(variable, default)
@@ -60,6 +61,20 @@ def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...], default
     return value
 
 
+def _names(env: Mapping[str, str], name: str, known: tuple[str, ...]) -> frozenset[str]:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return frozenset()
+    names = [part.strip() for part in raw.split(",") if part.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ConfigError(
+            f"{name}={raw!r} names no target {', '.join(repr(n) for n in unknown)}; use target names "
+            f"separated by commas, of: {', '.join(known)} (unset means none)"
+        )
+    return frozenset(names)
+
+
 def strict_requested(env: Mapping[str, str] | None = None) -> bool:
     """Strict mode, read on its own so a bad value elsewhere can still be judged strictly."""
     env = os.environ if env is None else env
@@ -79,10 +94,11 @@ def enabled(env: Mapping[str, str] | None = None) -> bool:
 
 
 def load(env: Mapping[str, str] | None = None,
-         switches: tuple[str, ...] | Mapping[str, bool] = ()) -> Config:
-    """Read every GEMM_PATCH_* variable and each target switch in ``switches`` (names, or name
-    -> default for opt-in targets); raise ConfigError naming the first bad one. With
-    ``GEMM_PATCH=0`` nothing else is read."""
+         switches: tuple[str, ...] | Mapping[str, bool] = (), targets: tuple[str, ...] = ()) -> Config:
+    """Read every GEMM_PATCH_* variable, each target switch in ``switches`` (names, or name ->
+    default for opt-in targets) and ``GEMM_PATCH_DISABLE`` (a subset of ``targets``, the known
+    target names); raise ConfigError naming the first bad one. With ``GEMM_PATCH=0`` nothing else
+    is read."""
     env = os.environ if env is None else env
     if not _flag(env, "GEMM_PATCH", True):
         return Config(enabled=False)
@@ -95,4 +111,20 @@ def load(env: Mapping[str, str] | None = None,
         allow_unverified=_flag(env, "GEMM_PATCH_ALLOW_UNVERIFIED", False),
         switches={name: _flag(env, name, default) for name, default in
                   (switches.items() if isinstance(switches, Mapping) else dict.fromkeys(switches, True).items())},
+        left_out=_names(env, "GEMM_PATCH_DISABLE", targets),
     )
+
+
+# The configuration the patcher applied last (None: not applied, reverted, or a bad value): the
+# dispatcher reads its backend here, so that it never needs the patcher.
+_current: Config | None = None
+
+
+def set_current(cfg: Config | None) -> None:
+    global _current
+    _current = cfg
+
+
+def current_backend() -> str:
+    """GEMM_PATCH_BACKEND as the last apply() read it (``auto`` before, or after a bad value)."""
+    return _current.backend if _current is not None else "auto"

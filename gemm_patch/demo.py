@@ -5,6 +5,9 @@ from __future__ import annotations
 import io
 import sys
 
+from .target import NOT_APPLICABLE, OFF, PATCHED_STATES
+from .targets.fsdp_wgrad import TARGET as FSDP_WGRAD
+
 
 def _fsdp_step(layers, torch, main_dtype, device, tokens=512, hidden=1024, out_features=2048, seed=0):
     """One forward/backward through megatron-core's fused-wgrad linear with a weight that
@@ -26,10 +29,7 @@ def _fsdp_step(layers, torch, main_dtype, device, tokens=512, hidden=1024, out_f
     return rel, bool(torch.isnan(main_grad).any())
 
 
-# States in which gemm_patch's code sits on the call site (DESIGN-0.2: verified, compatible,
-# forced); any other state leaves megatron's own code in place.
-PATCHED_STATES = ("verified", "compatible", "forced")
-TARGET = "fsdp-wgrad"
+TARGET = FSDP_WGRAD.name
 
 
 def _target(status):
@@ -54,7 +54,7 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-def main(out: io.TextIOBase | None = None, suppressed_warnings: int = 0) -> int:
+def main(out: io.TextIOBase | None = None, note: str | None = None) -> int:
     """Exit status: 0 the fix shown; 1 a bad GEMM_PATCH_* value, the patch is not in place
     (strict mode raises GemmPatchError instead) or its result is wrong; 2 nothing to show: no
     torch/megatron-core, a release without the FSDP call, or the patch turned off."""
@@ -69,18 +69,17 @@ def main(out: io.TextIOBase | None = None, suppressed_warnings: int = 0) -> int:
         import torch
     except ImportError as exc:
         return _stop(f"needs torch and megatron-core importable: {exc}", 2)
-    from .cli import warnings_note
     from .dispatcher import active_dispatcher
 
     st = gemm_patch.status()
     target = _target(st)
     if target is None:
         return _stop(f"this gemm_patch has no {TARGET} target", 1)
-    if target.state == "not applicable":
+    if target.state == NOT_APPLICABLE:
         return _not_applicable(st, target)
     if st.config_error:
         return _stop(f"configuration error: {st.config_error}", 1)
-    if target.state == "off":
+    if target.state == OFF:
         why = target.reason if st.applied else "GEMM_PATCH=0 turns gemm_patch off"
         return _stop(f"{TARGET} is off ({why}): the demo shows the fix, so it needs the patch on", 2)
     if target.state not in PATCHED_STATES:
@@ -88,7 +87,6 @@ def main(out: io.TextIOBase | None = None, suppressed_warnings: int = 0) -> int:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     print(f"megatron-core {st.versions.get('megatron-core')}, torch {torch.__version__}, device {device}", file=out)
-    note = warnings_note(suppressed_warnings)
     if note:
         print(note.strip(), file=out)
     print("shape: tokens 512, hidden 1024 -> 2048, bf16 activations\n", file=out)
@@ -102,7 +100,7 @@ def main(out: io.TextIOBase | None = None, suppressed_warnings: int = 0) -> int:
     finally:
         status = gemm_patch.apply()
     target = _target(status)
-    if target.state == "not applicable":
+    if target.state == NOT_APPLICABLE:
         return _not_applicable(status, target)
     print(f"patched: {TARGET} {target.state} ({target.reason})\n", file=out)
     if target.state not in PATCHED_STATES:

@@ -14,6 +14,7 @@ import threading
 
 import torch
 
+from . import config
 from .backends import Backend, all_backends
 
 log = logging.getLogger("gemm_patch")
@@ -102,8 +103,23 @@ class WgradDispatcher:
                    f"({type(exc).__name__}: {exc}); handing over to the next backend for "
                    f"these dtypes from now on")
 
+    def in_use(self) -> dict[str, str]:
+        """The backend that runs first, per case: of every plan made so far, else of the case
+        the patched call sites send (bf16 x bf16 += fp32) on the current device, CUDA only where
+        this process has initialised it (never creates a context)."""
+        used = {_describe(key): plan[0].name for key, plan in self._plans.items() if plan}
+        if used:
+            return used
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_initialized() else "cpu"
+        probe = torch.empty(1, 1, dtype=torch.bfloat16, device=device)
+        out = torch.empty(1, 1, dtype=torch.float32, device=device)
+        key = (out.is_cuda, probe.dtype, probe.dtype, out.dtype, True)
+        plan = self.plan_for(probe, probe, out, accumulate=True)
+        return {_describe(key): plan[0] if plan else "none"}
+
     def describe(self) -> dict:
         return {
+            "in_use": self.in_use(),
             "order": list(self.order),
             "forced": self.forced,
             "unavailable": {n: r for n in self.order
@@ -162,9 +178,7 @@ def active_dispatcher() -> WgradDispatcher:
     """The process-wide dispatcher, built on first use from the current configuration."""
     global _active
     if _active is None:
-        from .patcher import configured_backend
-
-        _active = WgradDispatcher(configured_backend())
+        _active = WgradDispatcher(config.current_backend())
     return _active
 
 

@@ -93,7 +93,9 @@ def run_checks(device: str | None = None, dispatcher=None, seed: int = 0) -> Rep
         name = f"{_short(dtype)} x {_short(dtype)} {'+=' if accumulate else '->'} {_short(out_dtype)}"
         plan = dispatcher.plan_for(a, b, out_init, accumulate)
         result = CaseResult(name, plan[0] if plan else None)
-        for backend_name, backend in dispatcher.backends.items():
+        # The dispatcher's order first (native > te > fallback), as everywhere else.
+        for backend_name in [*dispatcher.order, *(n for n in dispatcher.backends if n not in dispatcher.order)]:
+            backend = dispatcher.backends[backend_name]
             if backend_name in unavailable:
                 result.results[backend_name] = "unavailable"
             elif not backend.supports(a, b, out_init):
@@ -175,9 +177,12 @@ def patch_summary(import_targets: bool = True) -> str:
     if import_targets:
         import_target_modules()
     st = gemm_patch.status()
-    targets = ", ".join(f"{t.name} {t.state}" for t in st.targets)
+    shown = [t for t in st.targets if st.applies(t)]
+    targets = ", ".join(f"{t.name} {t.state}" for t in shown) or "none"
+    rest = len(st.targets) - len(shown)
     mcore = st.versions.get("megatron-core") or "not installed"
-    return f"patch: {'applied' if st.applied else 'not applied'}; megatron-core {mcore}: {targets}"
+    return (f"patch: {'applied' if st.applied else 'not applied'}; megatron-core {mcore}: {targets}"
+            f"{f' (+{rest} not applicable here)' if rest else ''}")
 
 
 def main(device: str | None = None, as_json: bool = False, import_targets: bool = True,

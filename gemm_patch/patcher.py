@@ -5,6 +5,8 @@ hook runs after every execution of the module, so re-imports and reloads are pat
 patches the modules already imported. ``revert()`` replays each install's undo list, leaving
 alone (and reporting) whatever is no longer gemm_patch's. One lock makes both idempotent and
 thread-safe; the watches stay, and do nothing while the patch is reverted.
+
+The patcher knows no target by name: the package hands it the registry (``use_targets``).
 """
 
 from __future__ import annotations
@@ -13,14 +15,12 @@ import logging
 import sys
 import threading
 import types
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from . import config, detection, imports
 from .report import Status, SummaryLog, configure_logging, emit, log
-from .targets import REGISTRY
-from .targets.apex_wgrad import TARGET as APEX_TARGET
-from .targets.apex_wgrad import apex_word
-from .targets.base import (
+from .target import (
     NOT_APPLICABLE,
     OFF,
     PATCHED_STATES,
@@ -33,7 +33,9 @@ from .targets.base import (
     Undo,
 )
 
-__all__ = ["GemmPatchError", "Status", "apply", "revert", "status", "import_target_modules", "log"]
+__all__ = ["GemmPatchError", "Status", "apply", "revert", "status", "import_target_modules", "log", "use_targets"]
+
+DISABLED_REASON = "GEMM_PATCH=0: nothing is applied, through any entry point"
 
 
 class GemmPatchError(RuntimeError):
@@ -44,6 +46,10 @@ class GemmPatchError(RuntimeError):
 class _Install:
     module: types.ModuleType
     undo: Undo
+    # A later execution of the module made newer objects: this install still patches the objects
+    # that code imported earlier may hold (a class, a module object), and revert() restores them,
+    # but what the re-execution itself overwrote is no reason for a warning.
+    superseded: bool = False
 
 
 @dataclass
@@ -52,7 +58,7 @@ class _State:
     config_error: str | None = None
     disabled: str | None = None
     statuses: dict[str, TargetStatus] = field(default_factory=dict)
-    installs: dict[str, _Install] = field(default_factory=dict)
+    installs: dict[str, list[_Install]] = field(default_factory=dict)  # target -> oldest first
     watched: set[str] = field(default_factory=set)
     summary: SummaryLog = field(default_factory=SummaryLog)
     warned: set[str] = field(default_factory=set)
@@ -60,18 +66,34 @@ class _State:
 
 _lock = threading.RLock()
 _state = _State()
+_targets: tuple[Target, ...] = ()
+_components: dict[str, str] = {}  # top-level package of a target module -> its distribution
 
-# Top-level package of a target module -> the component whose version keys its fingerprints.
-_COMPONENTS = {t.module.split(".")[0]: t.distribution for t in REGISTRY}
+
+def use_targets(targets: Sequence[Target]) -> None:
+    """The targets to patch (the package's registry); set once, at ``import gemm_patch``."""
+    global _targets, _components
+    with _lock:
+        _targets = tuple(targets)
+        _components = {t.module.split(".")[0]: t.distribution for t in _targets}
+
+
+def targets() -> tuple[Target, ...]:
+    return _targets
 
 
 def _switches() -> dict[str, bool]:
-    return {name: on for t in REGISTRY for name, on in ((t.switch_variable, t.default_on), *t.options.items())}
+    return {name: on for t in _targets for name, on in ((t.switch_variable, t.default_on), *t.options.items())}
+
+
+def load_config() -> config.Config:
+    """Every variable, validated against the registered targets; raises ``config.ConfigError``."""
+    return config.load(switches=_switches(), targets=tuple(t.name for t in _targets))
 
 
 def _read_config(strict: bool | None) -> config.Config | None:
     try:
-        cfg = config.load(switches=_switches())
+        cfg = load_config()
         _state.config_error = None
     except config.ConfigError as exc:
         _state.config_error = str(exc)
@@ -98,7 +120,7 @@ def apply_quietly(strict: bool | None = None) -> None:
     milliseconds that ``import gemm_patch`` need not spend)."""
     if not config.enabled():
         with _lock:
-            _state.disabled = "GEMM_PATCH=0: nothing is applied, through any entry point"
+            _state.disabled = DISABLED_REASON
         return
     _wait_for_half_imported_modules()
     with _lock:
@@ -108,11 +130,12 @@ def apply_quietly(strict: bool | None = None) -> None:
             return
         configure_logging(cfg.log_level)
         _state.cfg = cfg
-        for target in REGISTRY:
+        config.set_current(cfg)
+        for target in _targets:
             if target.name not in _state.statuses or _state.statuses[target.name].state == OFF:
                 _state.statuses[target.name] = TargetStatus(target.name, target.module, PENDING,
                                                             f"waiting for `import {target.module}`")
-        for name in sorted({t.module for t in REGISTRY}):
+        for name in sorted({t.module for t in _targets}):
             if name not in _state.watched:
                 _state.watched.add(name)
                 imports.watch(name, _on_exec)
@@ -125,7 +148,7 @@ def _wait_for_half_imported_modules() -> None:
     """A target module another thread is still executing is patched once its import is done:
     patching the half-built module would fail and never be retried. Waits outside the lock; a
     module this thread is itself executing is patched from a helper thread when it is done."""
-    for name in sorted({t.module for t in REGISTRY}):
+    for name in sorted({t.module for t in _targets}):
         module = sys.modules.get(name)
         if module is None or not imports.still_importing(module):
             continue
@@ -143,21 +166,24 @@ def _patch_when_imported(name: str) -> None:
 
 
 def revert() -> Status:
-    """Restore every patched object to the exact original; a no-op when nothing is applied.
-    What something else has replaced since is left as it is, with one warning."""
+    """Restore every patched object to the exact original (on every module object a patch was
+    installed on); a no-op when nothing is applied. What something else has replaced since is
+    left as it is, with one warning."""
     with _lock:
         _state.cfg = None
-        for name, install in list(_state.installs.items()):
-            left = install.undo.run()
+        config.set_current(None)
+        for name, installs in list(_state.installs.items()):
+            left = []
+            for install in reversed(installs):
+                kept = install.undo.run()
+                if not install.superseded:
+                    left += kept
             del _state.installs[name]
             st = _state.statuses[name]
             if left:
                 reason = f"revert() left {'; '.join(left)} (installed over gemm_patch's object)"
                 _warn_once(f"revert:{name}", f"{name}: {reason}")
                 _state.statuses[name] = TargetStatus(name, st.module, REPLACED, reason, st.version, st.fingerprint)
-            else:
-                _state.statuses[name] = TargetStatus(name, st.module, OFF, "reverted by gemm_patch.revert()",
-                                                     st.version, st.fingerprint)
         for name, st in _state.statuses.items():
             if st.state != REPLACED:
                 _state.statuses[name] = TargetStatus(name, st.module, OFF, "reverted by gemm_patch.revert()",
@@ -172,20 +198,24 @@ def _on_exec(module: types.ModuleType) -> None:
 
 
 def _patch_module(module: types.ModuleType, reexecuted: bool) -> None:
-    """Patch every target of ``module``; ``reexecuted``: its code has just run (again), so an
-    earlier install on it is gone with the objects it replaced."""
+    """Patch every target of ``module``; ``reexecuted``: its code has just run (again), so its
+    names hold new objects, while the objects of an earlier execution (still held by whatever
+    imported them) keep their patch."""
     cfg = _state.cfg
     version = _distribution_version(module)
     done = []
-    for target in REGISTRY:
+    for target in _targets:
         if target.module != module.__name__:
             continue
-        earlier = _state.installs.get(target.name)
-        if earlier is not None:
-            if earlier.module is module and not reexecuted and target.in_place(module, earlier.undo) is None:
+        installs = _state.installs.setdefault(target.name, [])
+        latest = installs[-1] if installs else None
+        if latest is not None and latest.module is module and not reexecuted:
+            if target.in_place(module, latest.undo) is None:
                 continue  # apply() again: still in place
-            earlier.undo.run()  # a re-executed or replaced module: forget the stale install
-            del _state.installs[target.name]
+            latest.undo.run()  # replaced by someone else: put back what is still ours, patch anew
+            installs.pop()
+        for install in installs:
+            install.superseded = True
         try:
             st, undo = target.patch(module, version, cfg)
         except Refused as exc:
@@ -197,22 +227,16 @@ def _patch_module(module: types.ModuleType, reexecuted: bool) -> None:
             st, undo = TargetStatus(target.name, target.module, SKIPPED,
                                     f"internal error while patching: {type(exc).__name__}: {exc}", version), Undo()
         if undo.steps:
-            _state.installs[target.name] = _Install(module, undo)
+            installs.append(_Install(module, undo))
         _state.statuses[target.name] = st
-        done.append(st)
+        done.append((target, st))
     if done:
-        _state.summary.record(_COMPONENTS.get(module.__name__.split(".")[0], "megatron-core"), version,
+        _state.summary.record(_components.get(module.__name__.split(".")[0], "megatron-core"), version,
                               done, _backend_summary())
 
 
-def configured_backend() -> str:
-    """GEMM_PATCH_BACKEND as the last apply() read it (``auto`` before, or after a bad value)."""
-    with _lock:
-        return _state.cfg.backend if _state.cfg is not None else "auto"
-
-
 def _distribution_version(module: types.ModuleType) -> str | None:
-    component = _COMPONENTS.get(module.__name__.split(".")[0])
+    component = _components.get(module.__name__.split(".")[0])
     return detection.distribution_version(component) if component else None
 
 
@@ -228,16 +252,19 @@ def _warn_once(key: str, message: str) -> None:
         emit(logging.WARNING, message)
 
 
-def _live_status(target: Target) -> TargetStatus:
+def _live_status(target: Target, cfg: config.Config | None) -> TargetStatus:
     """The recorded status, checked against the live module: a patch that is no longer what
     the module uses reads ``replaced``; a pending target whose module cannot exist in what is
     installed reads ``not applicable``."""
     st = _state.statuses.get(target.name)
     if st is None:
-        return TargetStatus(target.name, target.module, OFF, "gemm_patch.apply() not called")
-    install = _state.installs.get(target.name)
-    if st.state in PATCHED_STATES and install is not None:
-        live = sys.modules.get(target.module)
+        why = "GEMM_PATCH=0" if not config.enabled() else "gemm_patch.apply() not called"
+        if cfg is not None and target.name in cfg.left_out:
+            why = "GEMM_PATCH_DISABLE lists it"
+        return TargetStatus(target.name, target.module, OFF, why)
+    installs = _state.installs.get(target.name)
+    if st.state in PATCHED_STATES and installs:
+        live, install = sys.modules.get(target.module), installs[-1]
         problem = (f"{target.module} is no longer the imported module" if live is not install.module
                    else target.in_place(live, install.undo))
         if problem:
@@ -256,21 +283,27 @@ def status() -> Status:
     from . import __version__
 
     with _lock:
-        cfg = _state.cfg
-        if cfg is None:
+        cfg, config_error = _state.cfg, _state.config_error
+        enabled = config.enabled()
+        if cfg is None and enabled:
             try:
-                cfg = config.load(switches=_switches())
-            except config.ConfigError:
-                cfg = config.Config()
-        targets = [_live_status(t) for t in REGISTRY]
+                cfg = load_config()
+            except config.ConfigError as exc:
+                cfg, config_error = config.Config(), str(exc)
+        statuses = [_live_status(t, cfg) for t in _targets]
         backends: dict = {}
-        if "torch" in sys.modules:  # never pull torch in just to describe backends
+        if "torch" in sys.modules and config_error is None:  # never pull torch in just to describe backends
             from .dispatcher import active_dispatcher
 
             backends = active_dispatcher().describe()
-        apex = apex_word(next(t for t in targets if t.name == APEX_TARGET.name))
-        return Status(__version__, _state.cfg is not None, cfg.strict, cfg.backend, _state.config_error,
-                      detection.installed_versions(), targets, backends, apex, _state.disabled)
+        fields = {}
+        for target, st in zip(_targets, statuses, strict=True):
+            fields.update(target.status_fields(st))
+        meanings = {state: meaning for t in _targets for state, meaning in t.extra_states.items()}
+        return Status(__version__, _state.cfg is not None, (cfg or config.Config()).strict,
+                      (cfg or config.Config()).backend, config_error, detection.installed_versions(), statuses,
+                      backends, fields, None if enabled else DISABLED_REASON,
+                      {t.name: t.distribution for t in _targets}, meanings)
 
 
 def import_target_modules() -> None:
@@ -278,7 +311,7 @@ def import_target_modules() -> None:
     them rather than that it is waiting for them (``gemm-patch status`` and ``doctor``)."""
     import importlib
 
-    for module in sorted({t.module for t in REGISTRY}):
+    for module in sorted({t.module for t in _targets}):
         try:
             importlib.import_module(module)
         except ImportError:

@@ -171,7 +171,7 @@ def test_auto_1_patches_a_bare_megatron_import(venvs, tmp_path):
     report = json.loads(out.read_text())
     # Not loaded when the script started (lazy), yet megatron's call site is the patched one:
     # the probe itself never imports gemm_patch.
-    assert not report["gemm_patch_loaded_at_start"] and report["call_site"] == "PatchedCallSite", report
+    assert not report["gemm_patch_loaded_at_start"] and report["call_site"] == "PatchedTwin", report
     assert report["error"] is None and report["rel_error"] < 1e-6 and not report["nan_left"], report
 
     code = "import megatron.core.tensor_parallel.layers\n" + PROBE_LOADED

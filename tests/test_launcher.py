@@ -43,7 +43,7 @@ def with_fake_megatron(env: dict[str, str], tmp_path) -> dict[str, str]:
 def assert_patched_and_exact(report: dict) -> None:
     # Loaded on megatron's import, not at start-up; the probe never imports gemm_patch itself.
     assert not report["gemm_patch_loaded_at_start"], report
-    assert report["call_site"] == "PatchedCallSite", report
+    assert report["call_site"] == "PatchedTwin", report
     assert report["error"] is None, report
     assert not report["nan_left"] and report["rel_error"] < 1e-6, report
 

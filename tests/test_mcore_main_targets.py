@@ -34,10 +34,10 @@ from pathlib import Path
 
 import pytest
 
-from gemm_patch.targets import fsdp_wgrad_gemm, moe_overwrite, one_rank_scale, te_overwrite_by_strategy
+from gemm_patch.targets import fsdp_wgrad, megatron_main, one_rank_scale, te_overwrite
 
 ROOT = Path(__file__).resolve().parent.parent
-COMMIT = fsdp_wgrad_gemm.MAIN_COMMIT
+COMMIT = megatron_main.COMMIT
 SHORT = COMMIT[:8]
 CACHE = ROOT / "compat" / ".cache"
 MCORE = CACHE / f"mcore-main-{SHORT}"
@@ -51,10 +51,9 @@ MAIN_TARGETS = ("fsdp-wgrad-gemm", "fsdp-te-overwrite-by-strategy", "mfsdp-te-ov
 
 
 def test_every_main_target_pins_the_same_commit():
-    for module in (fsdp_wgrad_gemm, moe_overwrite, te_overwrite_by_strategy, one_rank_scale):
-        assert module.MAIN_COMMIT == COMMIT
-    for target in (fsdp_wgrad_gemm.TARGET, te_overwrite_by_strategy.TARGET, te_overwrite_by_strategy.STANDALONE,
-                   moe_overwrite.TARGET, one_rank_scale.TARGET, one_rank_scale.STANDALONE):
+    assert megatron_main.RELEASE == f"main@{SHORT}"
+    for target in (fsdp_wgrad.GEMM_TARGET, te_overwrite.BY_STRATEGY_TARGET, te_overwrite.BY_STRATEGY_STANDALONE,
+                   te_overwrite.MOE_TARGET, one_rank_scale.TARGET, one_rank_scale.STANDALONE):
         assert f"main@{SHORT}" in target.fingerprints
         assert "0.20.0" not in target.fingerprints, "0.20.0 is not released: main is keyed by its commit"
 
@@ -131,12 +130,10 @@ import dataclasses, json, os, sys, types
 import torch
 import gemm_patch, gemm_patch.patcher as p
 from gemm_patch import detection
-from gemm_patch.targets import fsdp_wgrad_gemm, moe_overwrite, one_rank_scale, te_overwrite_by_strategy
+from gemm_patch.targets import fsdp_wgrad, te_overwrite
 
-MINE = (fsdp_wgrad_gemm.TARGET, te_overwrite_by_strategy.TARGET, te_overwrite_by_strategy.STANDALONE,
-        moe_overwrite.TARGET)
-# Registered already; kept so the driver also runs against an older registry.
-p.REGISTRY = (*p.REGISTRY, *(t for t in MINE if t.name not in {r.name for r in p.REGISTRY}))
+MINE = (fsdp_wgrad.GEMM_TARGET, te_overwrite.BY_STRATEGY_TARGET, te_overwrite.BY_STRATEGY_STANDALONE,
+        te_overwrite.MOE_TARGET)
 gemm_patch.apply()
 
 import megatron.core.tensor_parallel.layers as layers
@@ -285,8 +282,8 @@ R["unpatched"] = scenarios()
 
 # Unknown code: left alone, forced with GEMM_PATCH_ALLOW_UNVERIFIED=1, refused in strict mode.
 names = {t.name for t in MINE}
-saved = p.REGISTRY
-p.REGISTRY = tuple(dataclasses.replace(t, fingerprints={}) if t.name in names else t for t in saved)
+saved = p.targets()
+p.use_targets(tuple(dataclasses.replace(t, fingerprints={}) if t.name in names else t for t in saved))
 gemm_patch.apply()
 R["unknown"] = {n: s for n, s in states().items() if n in names}
 R["unknown_live"] = type(vars(layers.LinearWithGradAccumulationAndAsyncCommunication)["backward"]).__name__
@@ -338,7 +335,7 @@ def test_states_on_main(main_run):
     assert states["fsdp-wgrad"] == "not applicable"
     assert states["fsdp-te-overwrite"] == "not applicable"
     assert states["mfsdp-te-overwrite"] == "not applicable"
-    assert main_run["live"] == {"backward": "PatchedCallSite", "unshard": "PatchedOverwriteFlag"}
+    assert main_run["live"] == {"backward": "PatchedTwin", "unshard": "PatchedOverwriteFlag"}
 
 
 # Without TE, main's own _wgrad_gemm lands the product in bf16 and copies it (PR #6624's

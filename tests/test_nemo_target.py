@@ -27,8 +27,9 @@ import pytest
 
 from gemm_patch import config
 from gemm_patch.callsite import fingerprint, parse_method
+from gemm_patch.target import PatchedTwin
 from gemm_patch.targets import nemo_fsdp_gaf
-from gemm_patch.targets.nemo_fsdp_gaf import TARGET, PatchedInitDdp, fused_path_ready
+from gemm_patch.targets.nemo_fsdp_gaf import TARGET, fused_path_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / "compat" / ".cache"
@@ -148,8 +149,8 @@ def test_every_release_is_verified_with_its_recorded_fingerprint(version, monkey
     assert fingerprint(parse_method(module, "MegatronParallel", "init_ddp")) == TARGET.fingerprints[version]
     module, st, undo = patched(version, monkeypatch)
     assert st.state == "verified", st.reason
-    assert isinstance(vars(module.MegatronParallel)["init_ddp"], PatchedInitDdp)
-    assert undo.run() == [] and not isinstance(vars(module.MegatronParallel)["init_ddp"], PatchedInitDdp)
+    assert isinstance(vars(module.MegatronParallel)["init_ddp"], PatchedTwin)
+    assert undo.run() == [] and not isinstance(vars(module.MegatronParallel)["init_ddp"], PatchedTwin)
 
 
 def test_nemo_3_has_no_such_module():
@@ -282,7 +283,7 @@ import sys
 sys.path.insert(0, {tests!r})
 import test_nemo_target as t
 from gemm_patch import patcher
-from gemm_patch.targets.base import TargetStatus
+from gemm_patch.target import TargetStatus
 sys.modules[t.MODULE] = module = t.nemo_module(t.source_file("2.7.3"))
 import gemm_patch
 st = {{s.name: s for s in gemm_patch.apply().targets}}["nemo-fsdp-gaf"]
@@ -320,7 +321,7 @@ def test_apply_patches_it_only_where_its_variable_is_1(variable):
     state, kind, ran, after = out.stdout.splitlines()
     if variable == "1":
         # No nemo-toolkit metadata here: judged by fingerprint alone.
-        assert state.startswith("compatible |") and kind == "PatchedInitDdp" and after == "function"
+        assert state.startswith("compatible |") and kind == "PatchedTwin" and after == "function"
         assert ran == "True False"  # kept, and no NeMo warning
     else:
         assert state.startswith("off |") and kind == after == "function"

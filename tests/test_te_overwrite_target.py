@@ -14,8 +14,8 @@ from source_modules import load_source
 
 from gemm_patch import config, detection, patcher, report
 from gemm_patch.callsite import find_statement
+from gemm_patch.target import Refused, TargetStatus
 from gemm_patch.targets import REGISTRY
-from gemm_patch.targets.base import Refused, TargetStatus
 from gemm_patch.targets.te_overwrite import STANDALONE as MFSDP_TE_OVERWRITE
 from gemm_patch.targets.te_overwrite import TARGET as FSDP_TE_OVERWRITE
 from gemm_patch.targets.te_overwrite import PatchedOverwriteFlag
@@ -164,7 +164,7 @@ def test_targets_are_data():
     assert FSDP_TE_OVERWRITE in REGISTRY and MFSDP_TE_OVERWRITE in REGISTRY
     assert len({t.name for t in REGISTRY}) == len(REGISTRY)
     assert MFSDP_TE_OVERWRITE.module == "megatron_fsdp.megatron_fsdp"
-    assert patcher._COMPONENTS["megatron_fsdp"] == MFSDP_TE_OVERWRITE.distribution == "megatron-fsdp"
+    assert patcher._components["megatron_fsdp"] == MFSDP_TE_OVERWRITE.distribution == "megatron-fsdp"
     assert FSDP_TE_OVERWRITE.fingerprints["0.17.1"] == MFSDP_TE_OVERWRITE.fingerprints["0.6.1"]
 
 
@@ -187,7 +187,13 @@ def test_module_findable_without_importing(tmp_path, monkeypatch):
         sys.modules.pop("gp_fake_pkg", None)
 
 
-def test_summary_is_one_line_plus_at_most_one(monkeypatch):
+def test_each_module_with_a_patch_gets_its_own_info_line_whatever_came_first(monkeypatch):
+    """The order megatron.training produces: Transformer Engine first (its target here not
+    applicable or off), then megatron-core's layers, the MoE experts (nothing patched without
+    TE's grouped MLP), then Megatron-FSDP. Every module with a patch is named at INFO; a module
+    with nothing patched is DEBUG and takes no slot; a re-apply says nothing new."""
+    from gemm_patch.targets import by_name
+
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append
@@ -198,22 +204,46 @@ def test_summary_is_one_line_plus_at_most_one(monkeypatch):
     summary = report.SummaryLog()
 
     def st(name, state="verified", reason=""):
-        return TargetStatus(name, "megatron.core.x", state, reason, "0.17.1")
+        return by_name(name), TargetStatus(name, "megatron.core.x", state, reason, "0.17.1")
 
     try:
+        summary.record("transformer-engine", "2.20.2", [st("te-dummy-wgrad", "off", "GEMM_PATCH_TE_DUMMY_WGRAD=0")],
+                       "backends x")
         summary.record("megatron-core", "0.17.1", [st("fsdp-wgrad"), st("apex-wgrad")], "backends x")
         summary.record("megatron-core", "0.17.1", [st("fsdp-wgrad")], "backends x")  # re-apply: nothing new
-        summary.record("megatron-core", "0.17.1", [st("fsdp-te-overwrite")], "backends x")
+        summary.record("megatron-core", "0.17.1", [st("moe-te-overwrite", "not applicable")], "backends x")
+        summary.record("megatron-core", "0.17.1", [st("fsdp-te-overwrite"), st("fsdp-shared-grad"),
+                                                   st("fsdp-one-rank-scale")], "backends x")
         summary.record("megatron-fsdp", "0.6.1", [st("mfsdp-te-overwrite")], "backends x")
+        summary.record("nemo-toolkit", None, [st("nemo-fsdp-gaf", "off", "opt-in")], "backends x")
     finally:
         report.log.removeHandler(handler)
         report.log.setLevel(old_level)
     info = [r.getMessage() for r in records if r.levelno == logging.INFO]
-    assert len(info) == 2, info
-    assert info[0].startswith("megatron-core 0.17.1: fsdp-wgrad verified") and "backends x" in info[0]
-    assert info[1] == "megatron-core 0.17.1: fsdp-te-overwrite verified"
+    assert len(info) == 3, info
+    assert info[0] == "megatron-core 0.17.1: fsdp-wgrad verified, apex-wgrad provided (apex missing; verified); backends x"
+    assert info[1] == ("megatron-core 0.17.1: fsdp-te-overwrite verified, fsdp-shared-grad verified, "
+                       "fsdp-one-rank-scale verified")
+    assert info[2] == "megatron-fsdp 0.6.1: mfsdp-te-overwrite verified"
     debug = [r.getMessage() for r in records if r.levelno == logging.DEBUG]
-    assert debug == ["megatron-fsdp 0.6.1: mfsdp-te-overwrite verified"]
+    assert debug[0].startswith("transformer-engine 2.20.2: te-dummy-wgrad off")
+    assert debug[-1] == "nemo-toolkit (version unknown): nemo-fsdp-gaf off (opt-in)"
+
+
+def test_other_ranks_log_the_summary_at_debug(monkeypatch):
+    from gemm_patch.targets import by_name
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    report.log.addHandler(handler)
+    monkeypatch.setenv("RANK", "3")
+    try:
+        report.SummaryLog().record("megatron-core", "0.17.1", [
+            (by_name("fsdp-wgrad"), TargetStatus("fsdp-wgrad", "m", "verified", "", "0.17.1"))], "backends x")
+    finally:
+        report.log.removeHandler(handler)
+    assert [r.levelno for r in records] in ([], [logging.DEBUG])
 
 
 def test_an_unknown_release_is_one_warning_line_for_all_targets(monkeypatch):
@@ -225,8 +255,8 @@ def test_an_unknown_release_is_one_warning_line_for_all_targets(monkeypatch):
     why = "backward: backward unknown (fingerprint f differs); left alone (GEMM_PATCH_ALLOW_UNVERIFIED=1 patches it)"
     try:
         report.SummaryLog().record("megatron-core", "9.0.0", [
-            TargetStatus("fsdp-wgrad", "m", "unverified", why, "9.0.0"),
-            TargetStatus("apex-wgrad", "m", "unverified", why, "9.0.0")], "backends x")
+            (FSDP_TE_OVERWRITE, TargetStatus("fsdp-wgrad", "m", "unverified", why, "9.0.0")),
+            (FSDP_TE_OVERWRITE, TargetStatus("apex-wgrad", "m", "unverified", why, "9.0.0"))], "backends x")
     finally:
         report.log.removeHandler(handler)
     assert len(records) == 1 and records[0].levelno == logging.WARNING

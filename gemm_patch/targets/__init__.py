@@ -1,40 +1,28 @@
-"""Everything gemm_patch patches: one module per target, one line each here.
+"""Everything gemm_patch patches: one module per fix a user can switch, one line per target here.
 
-A new target is a module with a ``Target`` (see ``base``) and a line in ``REGISTRY``; a new
-release of a known target is one line in that target's ``fingerprints``.
+A new target is a ``Target`` (see ``gemm_patch.target``) in the module of its fix and a line in
+``REGISTRY``; a new release of a known target is one line in that target's ``fingerprints``.
 """
 
 from __future__ import annotations
 
-from . import (
-    apex_wgrad,
-    fsdp_wgrad,
-    fsdp_wgrad_gemm,
-    moe_overwrite,
-    nemo_fsdp_gaf,
-    one_rank_scale,
-    shared_grad,
-    te_dummy_wgrad,
-    te_overwrite,
-    te_overwrite_by_strategy,
-)
-from .base import Target
+from ..target import Target
+from . import apex_wgrad, fsdp_wgrad, nemo_fsdp_gaf, one_rank_scale, shared_grad, te_dummy_wgrad, te_overwrite
 
 REGISTRY: tuple[Target, ...] = (
-    fsdp_wgrad.TARGET,
-    apex_wgrad.TARGET,
-    te_overwrite.TARGET,
+    fsdp_wgrad.TARGET,  # GEMM_PATCH_FSDP_WGRAD
+    apex_wgrad.TARGET,  # GEMM_PATCH_APEX
+    te_overwrite.TARGET,  # GEMM_PATCH_TE_OVERWRITE
     te_overwrite.STANDALONE,
-    shared_grad.TARGET,
+    shared_grad.TARGET,  # GEMM_PATCH_SHARED_GRAD
     shared_grad.STANDALONE,
-    moe_overwrite.TARGET,
-    te_dummy_wgrad.TARGET,  # Transformer Engine's own layers
-    one_rank_scale.TARGET,  # Megatron-FSDP's reduce, not the wgrad: expert parallelism
+    te_overwrite.MOE_TARGET,
+    te_dummy_wgrad.TARGET,  # GEMM_PATCH_TE_DUMMY_WGRAD: Transformer Engine's own layers
+    one_rank_scale.TARGET,  # GEMM_PATCH_ONE_RANK_SCALE: Megatron-FSDP's reduce (expert parallelism)
     one_rank_scale.STANDALONE,
-    # Megatron-LM main (0.20.0 before its release), pinned commit.
-    fsdp_wgrad_gemm.TARGET,
-    te_overwrite_by_strategy.TARGET,
-    te_overwrite_by_strategy.STANDALONE,
+    fsdp_wgrad.GEMM_TARGET,  # Megatron-LM main's forms of the same fixes
+    te_overwrite.BY_STRATEGY_TARGET,
+    te_overwrite.BY_STRATEGY_STANDALONE,
     nemo_fsdp_gaf.TARGET,  # opt-in: GEMM_PATCH_NEMO_FSDP_GAF=1
 )
 

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..apex_analysis import find_apex_usage
-from .base import APEX_REAL, NOT_APPLICABLE, OFF, PATCHED_STATES, SKIPPED, Inspection, Target, TargetStatus, Undo
+from ..target import NOT_APPLICABLE, OFF, PATCHED_STATES, PENDING, SKIPPED, Inspection, Target, TargetStatus, Undo
 
 EXTENSION = "fused_weight_gradient_mlp_cuda"
+APEX_REAL = "apex real"  # apex's own extension imported: nothing to provide
 _MARKER = "__gemm_patch_stand_in__"
 
 
@@ -54,6 +55,31 @@ def is_stand_in(obj: object) -> bool:
     return isinstance(obj, types.ModuleType) and getattr(obj, _MARKER, False) is True
 
 
+# status()'s one word on apex (JSON "apex"), and what it means.
+APEX_WORDS = {
+    "real": "apex's fused_weight_gradient_mlp_cuda is real and used untouched",
+    "provided": "provided by gemm_patch (apex's fused_weight_gradient_mlp_cuda is missing)",
+    "off": "not provided (GEMM_PATCH_APEX=0, or gemm_patch reverted or not applied)",
+    "missing": "missing and not provided (see the apex-wgrad target)",
+    "unknown": "not checked yet (megatron-core's layers module not imported)",
+}
+
+
+def apex_word(st: TargetStatus | None) -> str:
+    """``real``, ``provided``, ``off``, ``missing`` or ``unknown``, from the apex-wgrad state."""
+    if st is None or st.state == PENDING:
+        return "unknown"
+    if st.state == APEX_REAL:
+        return "real"
+    if st.state in PATCHED_STATES:
+        return "provided"
+    if st.state == OFF:
+        return "off"
+    if st.state == NOT_APPLICABLE and st.version is None:
+        return "unknown"  # megatron-core not installed
+    return "missing"
+
+
 @dataclass(frozen=True, kw_only=True, eq=False)
 class ApexWgradTarget(Target):
     extension: str
@@ -83,6 +109,17 @@ class ApexWgradTarget(Target):
         provided = f"apex missing: {self.extension}.{{{', '.join(usage.call_names)}}} provided by gemm_patch"
         return Inspection(usage.fingerprint, True, provided, usage)
 
+    def summary_part(self, st: TargetStatus) -> str:
+        if st.state in PATCHED_STATES:
+            return f"{st.name} provided (apex missing; {st.state})"
+        if st.state == APEX_REAL:
+            return f"{st.name} idle (apex real)"
+        return super().summary_part(st)
+
+    def status_fields(self, st: TargetStatus | None) -> dict[str, tuple[str, str]]:
+        word = apex_word(st)
+        return {"apex": (word, APEX_WORDS[word])}
+
     def install(self, module: types.ModuleType, found: Inspection, undo: Undo, cfg: Any) -> str | None:
         undo.set_item(sys.modules, self.extension, STAND_IN)
         undo.set(module, self.extension, STAND_IN)
@@ -95,6 +132,7 @@ TARGET = ApexWgradTarget(
     module="megatron.core.tensor_parallel.layers",
     switch="GEMM_PATCH_APEX",
     relies_on="apex usage",
+    extra_states={APEX_REAL: "apex's own extension is imported and used untouched"},
     extension=EXTENSION,
     flag="_grad_accum_fusion_available",
     calls=("wgrad_gemm_accum_fp32", "wgrad_gemm_accum_fp16"),
@@ -119,26 +157,3 @@ TARGET = ApexWgradTarget(
     },
 )
 
-# status()'s one word on apex (JSON "apex"), and what it means.
-APEX_WORDS = {
-    "real": "apex's fused_weight_gradient_mlp_cuda is real and used untouched",
-    "provided": "provided by gemm_patch (apex's fused_weight_gradient_mlp_cuda is missing)",
-    "off": "not provided (GEMM_PATCH_APEX=0, or gemm_patch reverted or not applied)",
-    "missing": "missing and not provided (see the apex-wgrad target)",
-    "unknown": "not checked yet (megatron-core's layers module not imported)",
-}
-
-
-def apex_word(st: TargetStatus | None) -> str:
-    """``real``, ``provided``, ``off``, ``missing`` or ``unknown``, from the apex-wgrad state."""
-    if st is None or st.state == "pending":
-        return "unknown"
-    if st.state == APEX_REAL:
-        return "real"
-    if st.state in PATCHED_STATES:
-        return "provided"
-    if st.state == OFF:
-        return "off"
-    if st.state == NOT_APPLICABLE and st.version is None:
-        return "unknown"  # megatron-core not installed
-    return "missing"

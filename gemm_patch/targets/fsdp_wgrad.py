@@ -1,4 +1,7 @@
-"""fsdp-wgrad: megatron-core's ``torch.matmul(grad_output.t(), total_input, out=weight.main_grad)``
+"""GEMM_PATCH_FSDP_WGRAD: the Megatron-FSDP branch of gradient-accumulation fusion writes its
+weight gradient through the WgradDispatcher, adding where it must.
+
+fsdp-wgrad: megatron-core's ``torch.matmul(grad_output.t(), total_input, out=weight.main_grad)``
 in ``LinearWithGradAccumulationAndAsyncCommunication.backward`` (the Megatron-FSDP branch of
 gradient-accumulation fusion), sent to the WgradDispatcher.
 
@@ -12,15 +15,23 @@ the output layer's alone is 1 GiB of bf16 at vocabulary 128256 x hidden 4096, he
 ``torch.empty`` without TE allocates it on every backward). The twin returns instead a bf16 view
 of the first bytes of the weight's own ``main_grad``, which is the same shape and dtype and costs
 nothing, wherever that is safe (``main_grad_alias``).
+
+fsdp-wgrad-gemm: Megatron-LM main's ``_wgrad_gemm(weight.main_grad, grad_output, total_input)`` in
+the same branch (Megatron-LM PR #6624 replaced the ``torch.matmul``): TE's GEMM into ``out``
+without accumulation, or ``out.copy_(grad_output.t().matmul(total_input))`` without TE. Either
+overwrites: right for a bucket allocated for this backward, wrong for Megatron-FSDP's persistent
+buffer and for a weight written twice in one backward (``wgrad_accumulates``). There the product
+is added through the dispatcher; everywhere else megatron's own ``_wgrad_gemm`` runs, unchanged.
+The other ``_wgrad_gemm`` call of that backward (GTP's sharded wgrad tensor) is not touched. A
+release has one form or the other; the other target reads "not applicable".
 """
 
 from __future__ import annotations
 
+import sys
 import types
 from dataclasses import dataclass, field
 from typing import Any
-
-import wrapt
 
 from ..callsite import (
     Redirect,
@@ -30,37 +41,15 @@ from ..callsite import (
     find_call_site,
     find_calls,
 )
-from .base import Inspection, MethodTarget, Undo
+from ..target import Inspection, MethodTarget, PatchedTwin, Undo
+from . import megatron_main
+from .fsdp_rules import main_grad_alias, wgrad_accumulates
 
+LAYERS = "megatron.core.tensor_parallel.layers"
 CALL = "torch.matmul(grad_output.t(), total_input, out=weight.main_grad)"
 # 0.18+: megatron's own TE call beside it overwrites too; routed so it adds where it must.
 TE_CALL = ('te_general_gemm(total_input, grad_output, out_dtype=weight.main_grad.dtype, layout="NT", '
            'out=weight.main_grad, grad=True)')
-
-
-def main_grad_is_persistent(param: Any) -> bool:
-    """Whether ``param.get_main_grad()`` returns Megatron-FSDP's persistent gradient buffer
-    (the sum over the step's micro-batches: a wgrad must be added to it) rather than a bucket
-    allocated for this backward and reduced before the next (not zeroed: it must be written).
-
-    Megatron-FSDP (megatron-core 0.14-0.19, megatron-fsdp) sets ``param._gbuf``; its getter
-    returns a view of the buffer's own storage exactly when ``not _gbuf.is_data_distributed``
-    (``no_shard``/``optim``, or any strategy on one data-parallel rank). Without ``_gbuf`` it is
-    not Megatron-FSDP's buffer: the overwrite of the replaced call stands.
-    """
-    # Instance attributes, read from __dict__: a tensor's getattr of a missing name raises
-    # internally, which costs about a microsecond per call on this path.
-    gbuf = getattr(param, "__dict__", {}).get("_gbuf")
-    return gbuf is not None and not getattr(gbuf, "is_data_distributed", True)
-
-
-def wgrad_accumulates(param: Any) -> bool:
-    """Add rather than overwrite: the buffer persists, or this backward already wrote the
-    weight's main_grad once (megatron sets ``grad_added_to_main_grad`` after each fused write;
-    a weight used twice in one backward, a tied output layer under MTP, is written twice)."""
-    if param is None:
-        return False
-    return main_grad_is_persistent(param) or bool(getattr(param, "__dict__", {}).get("grad_added_to_main_grad"))
 
 
 _active_dispatcher = None  # dispatcher.active_dispatcher, bound on the first call (it imports torch)
@@ -97,54 +86,13 @@ DUMMY_SWITCH = "GEMM_PATCH_FSDP_DUMMY_GRAD"
 TE_DUMMY = "get_dummy_wgrad(list(weight.main_grad.shape), input.dtype)"
 EMPTY_DUMMY = ("torch.empty(weight.main_grad.shape, dtype=input.dtype, device=torch.cuda.current_device(), "
                "requires_grad=False)")
-# Marks a weight megatron or Megatron-FSDP treats as used more than once: its .grad is added to
-# or kept (zero_out_wgrad, the hook skipping _is_shared), so it must not alias main_grad.
-_SHARED_MARKS = ("_is_shared", "shared", "shared_embedding", "zero_out_wgrad")
-
-
-def view_forbidden(tensor: Any) -> bool:
-    """Whether a CUDA graph is being captured on the current stream of ``tensor``'s device, or
-    autograd's anomaly mode is on (it checks returned gradients for NaN: the view shows
-    main_grad's bits as bf16, and the low half of an fp32 number can read as NaN)."""
-    import torch
-
-    return (tensor.is_cuda and torch.cuda.is_current_stream_capturing()) or torch.is_anomaly_enabled()
-
-
-def main_grad_alias(param: Any, shape: Any, dtype: Any) -> Any:
-    """A ``dtype`` tensor of ``shape`` over the first bytes of ``param.main_grad``, or None.
-
-    The dummy's values are never read: autograd stores it as ``param.grad`` (a stolen reference,
-    no copy) and Megatron-FSDP's post-accumulate-grad hook (``_grad_acc``) deletes it at once
-    because ``grad_added_to_main_grad`` is set. Only a write to ``param.grad`` could reach
-    main_grad through the view, so it is given only where nothing writes there: a Megatron-FSDP
-    parameter (``_gbuf``) that carries no mark of a second use, with no ``.grad`` pending from an
-    earlier use, outside CUDA-graph capture (where megatron's own dummy keeps its fixed address),
-    outside anomaly mode, over a contiguous main_grad on the same device that holds at least as many bytes."""
-    attrs = getattr(param, "__dict__", {})
-    main_grad = attrs.get("main_grad")
-    if attrs.get("_gbuf") is None or main_grad is None or any(attrs.get(m) for m in _SHARED_MARKS):
-        return None
-    import torch
-
-    nbytes = dtype.itemsize
-    for n in shape:
-        nbytes *= n
-    if (param.grad is not None or not main_grad.is_contiguous() or main_grad.device != param.device
-            or main_grad.numel() * main_grad.element_size() < nbytes or view_forbidden(main_grad)):
-        return None
-    return main_grad.view(-1).view(torch.uint8)[:nbytes].view(dtype).view(shape)
-
-
 def fsdp_dummy_wgrad_te(shape: Any, dtype: Any, *, param: Any = None) -> Any:
     """Stands in for ``get_dummy_wgrad(list(weight.main_grad.shape), input.dtype)``."""
     alias = main_grad_alias(param, shape, dtype)
     if alias is not None:
         return alias
-    import sys
-
     # TE's own function, looked up as the original call would: in megatron's module, now.
-    return sys.modules["megatron.core.tensor_parallel.layers"].get_dummy_wgrad(shape, dtype)
+    return sys.modules[LAYERS].get_dummy_wgrad(shape, dtype)
 
 
 def fsdp_dummy_wgrad_empty(shape: Any, *, dtype: Any, param: Any = None, **kwargs: Any) -> Any:
@@ -159,24 +107,6 @@ def fsdp_dummy_wgrad_empty(shape: Any, *, dtype: Any, param: Any = None, **kwarg
 
 
 DUMMY_CALLS = {TE_DUMMY: fsdp_dummy_wgrad_te, EMPTY_DUMMY: fsdp_dummy_wgrad_empty}
-
-
-def _run_twin(twin: Any):
-    function = twin.__func__ if isinstance(twin, (staticmethod, classmethod)) else twin
-
-    def wrapper(wrapped, instance, args, kwargs):
-        return function(*args, **kwargs)
-
-    return wrapper
-
-
-class PatchedCallSite(wrapt.FunctionWrapper):
-    """The installed object: a wrapt FunctionWrapper around megatron's function (``__wrapped__``
-    is it, so introspection sees megatron's name, doc and signature) whose calls run the twin."""
-
-    def __init__(self, original: Any, twin: Any) -> None:
-        super().__init__(original, _run_twin(twin))
-        self._self_gemm_patch_twin = twin
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -221,14 +151,14 @@ class CallSiteTarget(MethodTarget):
             note = ("dummy grad_weight: a view of main_grad" if aliased
                     else f"dummy grad_weight: megatron's ({self.dummy_switch}=0)")
         twin = build_twin(found.payload, self.where, redirects)
-        self.replace(module, undo, PatchedCallSite(self.live_object(module), twin))
+        self.replace(module, undo, PatchedTwin(self.live_object(module), twin))
         return note
 
 
 TARGET = CallSiteTarget(
     name="fsdp-wgrad",
     distribution="megatron-core",
-    module="megatron.core.tensor_parallel.layers",
+    module=LAYERS,
     owner="LinearWithGradAccumulationAndAsyncCommunication",
     attribute="backward",
     relies_on="backward",
@@ -251,5 +181,36 @@ TARGET = CallSiteTarget(
         "0.18.2": "eeb4af4511d4b4e2",  # the torch.matmul left in the no-TE else-branch
         "0.19.0": "8052bd62d48b6d81",
         "0.19.2": "8052bd62d48b6d81",
+    },
+)
+
+
+GEMM_CALL = "_wgrad_gemm(weight.main_grad, grad_output, total_input)"
+
+
+def fsdp_wgrad_gemm(out: Any, grad_output: Any, total_input: Any, *, param: Any = None) -> Any:
+    """Stands in for ``_wgrad_gemm(weight.main_grad, grad_output, total_input)``."""
+    if wgrad_accumulates(param):
+        _dispatcher().gemm(grad_output.t(), total_input, out, accumulate=True)
+        return out
+    # Megatron's own function, looked up as the original call would: in the module, now.
+    return sys.modules[LAYERS]._wgrad_gemm(out, grad_output, total_input)
+
+
+GEMM_TARGET = CallSiteTarget(
+    name="fsdp-wgrad-gemm",
+    distribution="megatron-core",
+    module=LAYERS,
+    switch="GEMM_PATCH_FSDP_WGRAD",
+    owner="LinearWithGradAccumulationAndAsyncCommunication",
+    attribute="backward",
+    relies_on="backward",
+    call=GEMM_CALL,
+    replacement=fsdp_wgrad_gemm,
+    also={},
+    dummies=DUMMY_CALLS,
+    fingerprints={
+        # 0.13.x-0.19.x: no such call (fsdp-wgrad's torch.matmul instead): not applicable.
+        megatron_main.RELEASE: "5bed6b0307f4975f",
     },
 )

@@ -37,8 +37,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import wrapt
-
+from .. import detection, patcher, report
 from ..callsite import (
     AnalysedFunction,
     build_edited_twin,
@@ -47,7 +46,8 @@ from ..callsite import (
     fingerprint,
     parse_method,
 )
-from .base import APEX_REAL, COMPATIBLE, NOT_APPLICABLE, VERIFIED, Inspection, MethodTarget, Undo
+from ..target import COMPATIBLE, NOT_APPLICABLE, VERIFIED, Inspection, MethodTarget, PatchedTwin, Undo
+from . import apex_wgrad, fsdp_wgrad, te_overwrite
 
 TEST = 'getattr(module.config, "gradient_accumulation_fusion", True)'
 WRITE = 'setattr(module.config, "gradient_accumulation_fusion", False)'
@@ -58,38 +58,32 @@ PROVEN = (VERIFIED, COMPATIBLE)  # "forced" (unknown megatron code) does not cou
 def fused_path_ready(states: Mapping[str, str]) -> tuple[bool, str]:
     """Whether gemm_patch's targets make the Megatron-FSDP fused path correct, from their
     states (target name -> state), and what was found."""
-    wgrad = states.get("fsdp-wgrad", "absent")
-    apex = states.get("apex-wgrad", "absent")
-    te = states.get("fsdp-te-overwrite", "absent")
+    names = (fsdp_wgrad.TARGET.name, apex_wgrad.TARGET.name, te_overwrite.TARGET.name)
+    wgrad, apex, te = (states.get(name, "absent") for name in names)
     missing = []
     if wgrad not in PROVEN:
-        missing.append(f"fsdp-wgrad is {wgrad}")
-    if apex not in PROVEN and apex != APEX_REAL:
-        missing.append(f"apex-wgrad is {apex}")
+        missing.append(f"{names[0]} is {wgrad}")
+    if apex not in PROVEN and apex != apex_wgrad.APEX_REAL:
+        missing.append(f"{names[1]} is {apex}")
     # Not applicable on a release whose fsdp-wgrad is verified: megatron-core 0.14, which sets no
     # overwrite flag (every verified release from 0.15 on records fsdp-te-overwrite).
     if te not in PROVEN and not (te == NOT_APPLICABLE and wgrad == VERIFIED):
-        missing.append(f"fsdp-te-overwrite is {te}")
-    found = f"fsdp-wgrad {wgrad}, apex-wgrad {apex}, fsdp-te-overwrite {te}"
+        missing.append(f"{names[2]} is {te}")
+    found = ", ".join(f"{name} {state}" for name, state in zip(names, (wgrad, apex, te), strict=True))
     return not missing, "; ".join(missing) if missing else found
 
 
 def _live_states() -> dict[str, str]:
-    from ..patcher import status
-
-    return {t.name: t.state for t in status().targets}
+    return {t.name: t.state for t in patcher.status().targets}
 
 
 _said: set[str] = set()
 
 
 def _say(message: str) -> None:
-    from .. import detection
-    from ..report import emit
-
     if message not in _said:
         _said.add(message)
-        emit(logging.INFO if detection.process_rank() == 0 else logging.DEBUG, message)
+        report.emit(logging.INFO if detection.process_rank() == 0 else logging.DEBUG, message)
 
 
 def nemo_turns_fusion_off(config: Any) -> bool:
@@ -126,18 +120,6 @@ def _ask_gemm_patch_too(funcdef: ast.FunctionDef) -> None:
     node.test = ast.copy_location(ast.BoolOp(op=ast.And(), values=[node.test, question]), node.test)
 
 
-class PatchedInitDdp(wrapt.FunctionWrapper):
-    """The installed object: a wrapt FunctionWrapper around NeMo's ``init_ddp`` (``__wrapped__``)
-    whose calls run the twin."""
-
-    def __init__(self, original: Any, twin: Any) -> None:
-        super().__init__(original, self._run_twin)
-        self._self_gemm_patch_twin = twin
-
-    def _run_twin(self, wrapped, instance, args, kwargs):
-        return self._self_gemm_patch_twin(instance, *args, **kwargs)
-
-
 @dataclass(frozen=True, kw_only=True, eq=False)
 class NemoFusionTarget(MethodTarget):
     def inspect(self, module: types.ModuleType) -> Inspection:
@@ -154,7 +136,7 @@ class NemoFusionTarget(MethodTarget):
         return Inspection(fp, True, f"{self.where}'s Megatron-FSDP fusion switch-off", twin)
 
     def install(self, module: types.ModuleType, found: Inspection, undo: Undo, cfg: Any) -> str | None:
-        self.replace(module, undo, PatchedInitDdp(self.live_object(module), found.payload))
+        self.replace(module, undo, PatchedTwin(self.live_object(module), found.payload))
 
 
 TARGET = NemoFusionTarget(

@@ -4,14 +4,12 @@ where its reduce runs over a one-rank group, instead of leaving the factor to NC
 Megatron-FSDP averages gradients by a factor per buffer (``gradient_scaling_factor``: 1/dp for
 dense weights, ``expert_gradient_scaling_factor`` for experts). With
 ``gradient_reduce_div_fusion`` on (the default) and a non-bf16 buffer,
-``gradient_reduce_preprocessing`` hands the factor to the collective as a PreMulSum op. Measured
-on 2 x H200 (torch 2.11.0+cu130, NCCL 2.28.9, ``examples/premul_one_rank.py``):
-``reduce_scatter_tensor`` over a one-rank group ignores that factor, in place or not, while
-``all_reduce`` applies it. Expert parallelism makes such groups with a factor other than 1: EP =
-DP = 2 on 2 GPUs gives experts a one-rank data-parallel group and a factor of 0.5, and every
-sharded strategy reduce-scatters, so each expert gradient comes out 2x (issue 10's ep2_moe,
-fusion on or off, megatron-core 0.17.1 and 0.19.2; a bucket probe showed the buffer unchanged
-by the collective).
+``gradient_reduce_preprocessing`` hands the factor to the collective as a PreMulSum op, and
+NCCL's ``reduce_scatter_tensor`` over a one-rank group ignores that factor, in place or not,
+while ``all_reduce`` applies it (NCCL 2.28.9). Expert parallelism makes such groups with a
+factor other than 1: EP = DP = 2 gives experts a one-rank data-parallel group and a factor of
+0.5, and every sharded strategy reduce-scatters, so each expert gradient comes out 2x, fusion
+on or off.
 
 Each reduce applies the factor to the bucket as it stands, and a buffer on a one-rank group is
 not sharded: it keeps the sum of the step's micro-batches, so with ``optim_grads``/
@@ -39,13 +37,13 @@ from typing import Any
 import wrapt
 
 from ..callsite import CallSiteError, check_live_function_is_source, check_live_is_source, fingerprint, parse_method
-from .base import Inspection, MethodTarget, Target, Undo
+from ..target import Inspection, MethodTarget, Target, Undo
+from . import megatron_main
 
 FUNCTION = "gradient_reduce_preprocessing"
 PREMUL = "torch.distributed._make_nccl_premul_sum"
 BUFFERS = "ParamAndGradBuffer"
 UPDATE = "update_main_grads"
-MAIN_COMMIT = "d98e8a64ddf34856e74b24714e3bedb2f5a39553"
 
 
 def _reduce_arguments(grad_data: Any, scaling_factor: Any, ddp_config: Any) -> tuple[Any, Any, Any]:
@@ -163,8 +161,7 @@ TARGET = OneRankScaleTarget(
         **dict.fromkeys(("0.16.0", "0.16.1"), "38795255d2f6cf9d"),
         **dict.fromkeys(("0.17.0", "0.17.1"), "518fe44c60aef944"),
         **dict.fromkeys(("0.18.0", "0.18.2", "0.19.0", "0.19.2"), "a7bd3f00f3ee9082"),
-        # Megatron-LM main reports "0.20.0" (the coming release's version): keyed by the pinned commit.
-        f"main@{MAIN_COMMIT[:8]}": "a7bd3f00f3ee9082",  # = 0.19.2
+        megatron_main.RELEASE: "a7bd3f00f3ee9082",  # = 0.19.2
     },
     **_COMMON,
 )
@@ -180,7 +177,7 @@ STANDALONE = OneRankScaleTarget(
         **dict.fromkeys(("0.3.0", "0.3.1"), "38795255d2f6cf9d"),
         "0.4.0": "518fe44c60aef944",
         **dict.fromkeys(("0.5.0", "0.5.1", "0.6.0", "0.6.1"), "a7bd3f00f3ee9082"),
-        f"main@{MAIN_COMMIT[:8]}": "a7bd3f00f3ee9082",  # main's copy reports "0.7.0rc0"
+        megatron_main.RELEASE: "a7bd3f00f3ee9082",
     },
     **_COMMON,
 )

@@ -43,8 +43,6 @@ import types
 from dataclasses import dataclass
 from typing import Any
 
-import wrapt
-
 from ..callsite import (
     AnalysedFunction,
     CallSiteError,
@@ -54,7 +52,8 @@ from ..callsite import (
     fingerprint,
     parse_method,
 )
-from .base import Inspection, MethodTarget, Undo
+from ..target import Inspection, MethodTarget, PatchedTwin, Undo
+from .fsdp_rules import is_fsdp_param
 
 NESTED = "_grad_acc"
 STATEMENT = "if param.grad_added_to_main_grad and param.grad is not None:\n    del param.grad\n"
@@ -75,13 +74,6 @@ def add_shared_grad(param: Any, to_local: Any) -> None:
 ARG_HOOK = "_register_post_backward_hook"
 ARG_TEST = "torch.is_tensor(obj) and obj.requires_grad"
 ARG_CELL = "_gemm_patch_is_fsdp_param"
-
-
-def is_fsdp_param(obj: Any) -> bool:
-    """A Megatron-FSDP parameter (megatron's layers test ``hasattr(weight, "__fsdp_param__")``).
-    Read from the instance ``__dict__``: this runs for every tensor argument of every module
-    call, and a tensor's getattr of a missing name raises internally (about a microsecond)."""
-    return "__fsdp_param__" in getattr(obj, "__dict__", ())
 
 
 def _nested(funcdef: ast.FunctionDef, name: str = NESTED) -> list[ast.FunctionDef]:
@@ -134,22 +126,6 @@ def _edit_both(funcdef: ast.FunctionDef) -> None:
     statement.test = ast.copy_location(ast.BoolOp(op=ast.And(), values=[statement.test, keep_out]), statement.test)
 
 
-def _run_method_twin(twin: Any):
-    def wrapper(wrapped, instance, args, kwargs):
-        return twin(instance, *args, **kwargs)
-
-    return wrapper
-
-
-class PatchedHookRegistration(wrapt.FunctionWrapper):
-    """The installed object: a wrapt FunctionWrapper around megatron's method (``__wrapped__``)
-    whose calls run the twin with the changed ``_grad_acc``."""
-
-    def __init__(self, original: Any, twin: Any) -> None:
-        super().__init__(original, _run_method_twin(twin))
-        self._self_gemm_patch_twin = twin
-
-
 @dataclass(frozen=True, kw_only=True, eq=False)
 class SharedGradTarget(MethodTarget):
     # Fingerprints of the method where every module call's weight arguments pass through the
@@ -178,7 +154,7 @@ class SharedGradTarget(MethodTarget):
         both = found.fingerprint in self.param_arg_fingerprints
         cells = {CELL: add_shared_grad, **({ARG_CELL: is_fsdp_param} if both else {})}
         twin = build_edited_twin(found.payload, self.where, _edit_both if both else _edit_grad_acc, cells)
-        self.replace(module, undo, PatchedHookRegistration(self.live_object(module), twin))
+        self.replace(module, undo, PatchedTwin(self.live_object(module), twin))
         return f"{ARG_HOOK}: Megatron-FSDP parameters passed as arguments stay parameters" if both else None
 
 

@@ -1,4 +1,7 @@
-"""fsdp-te-overwrite / mfsdp-te-overwrite: undo Megatron-FSDP's ``param.overwrite_main_grad =
+"""GEMM_PATCH_TE_OVERWRITE: Transformer Engine's layers add their weight gradient to a persistent
+Megatron-FSDP buffer instead of overwriting it, whoever set their ``overwrite_main_grad`` flag.
+
+fsdp-te-overwrite / mfsdp-te-overwrite: undo Megatron-FSDP's ``param.overwrite_main_grad =
 True`` where it is wrong.
 
 Megatron-FSDP sets the flag on every parameter it unshards
@@ -7,6 +10,23 @@ read it in forward and then overwrite ``main_grad`` in backward instead of addin
 persistent buffer (``no_shard``/``optim``, or any strategy on one data-parallel rank) that keeps
 only the last micro-batch. The wrapper runs the method, then resets the flag of each such
 parameter; parameters with fresh per-backward buckets keep True.
+
+fsdp-te-overwrite-by-strategy / mfsdp-te-overwrite-by-strategy: Megatron-LM main's form of the
+same statement (Megatron-LM PR #6357), ``param.overwrite_main_grad =
+self.data_parallel_sharding_strategy in ["optim_grads", "optim_grads_params"]``: ``optim`` no
+longer overwrites, but a sharded strategy on one data-parallel rank still does, over a buffer
+that is not sharded and persists across micro-batches. Same wrapper. A release has one
+statement or the other; the other target reads "not applicable".
+
+moe-te-overwrite: megatron-core 0.19 (and main) can run the experts through TE's op fuser
+(``TEGroupedMLP`` with ``use_transformer_engine_op_fuser``). The fused ops' pre-forward hook runs
+each expert linear's own pre-forward hooks (Megatron-FSDP's unshard, after which the flag is
+reset on persistent buffers), then the static ``TEGroupedMLP._ensure_main_grad(linear)``, which
+sets ``overwrite_main_grad = True`` on every weight of the linear again. TE's ``GroupedLinear``
+op reads it in backward, so over a persistent buffer each expert would keep only the last
+micro-batch's gradient. The wrapper runs the static method, then resets the flag the same way.
+One switch for the three: with one of them off the others alone would leave a mix of upstream
+and patched behaviour on the same weights.
 """
 
 from __future__ import annotations
@@ -18,8 +38,9 @@ from typing import Any
 import wrapt
 
 from ..callsite import check_live_is_source, find_statement
-from .base import Inspection, MethodTarget, Undo
-from .fsdp_wgrad import main_grad_is_persistent
+from ..target import Inspection, MethodTarget, Undo
+from . import megatron_main
+from .fsdp_rules import main_grad_is_persistent
 
 STATEMENT = "param.overwrite_main_grad = True"
 
@@ -79,7 +100,11 @@ class OverwriteFlagTarget(MethodTarget):
         return Inspection(found.fingerprint, True, self.where, found)
 
     def install(self, module: types.ModuleType, found: Inspection, undo: Undo, cfg: Any) -> str | None:
-        self.replace(module, undo, PatchedOverwriteFlag(self.live_object(module)))
+        self.replace(module, undo, self.wrapper(self.live_object(module)))
+
+    @property
+    def wrapper(self) -> type[PatchedOverwriteFlag]:
+        return PatchedOverwriteFlag
 
 
 TARGET = OverwriteFlagTarget(
@@ -129,5 +154,73 @@ STANDALONE = OverwriteFlagTarget(
         "0.5.1": "3c8b4af212ce4004",
         "0.6.0": "3c8b4af212ce4004",
         "0.6.1": "3c8b4af212ce4004",
+    },
+)
+
+
+BY_STRATEGY = ('param.overwrite_main_grad = self.data_parallel_sharding_strategy in '
+               '["optim_grads", "optim_grads_params"]')
+_BY_STRATEGY_COMMON = dict(
+    switch="GEMM_PATCH_TE_OVERWRITE",
+    relies_on="`param.overwrite_main_grad = <strategy is optim_grads(_params)>` method",
+    owner="MegatronFSDP",
+    attribute="all_gather_and_wait_parameters_ready",
+    statement=BY_STRATEGY,
+)
+
+BY_STRATEGY_TARGET = OverwriteFlagTarget(
+    name="fsdp-te-overwrite-by-strategy",
+    distribution="megatron-core",
+    module="megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp",
+    # 0.13.x-0.19.x: `param.overwrite_main_grad = True` (fsdp-te-overwrite) or nothing.
+    fingerprints={megatron_main.RELEASE: "5666668a84917ee9"},
+    **_BY_STRATEGY_COMMON,
+)
+
+BY_STRATEGY_STANDALONE = OverwriteFlagTarget(
+    name="mfsdp-te-overwrite-by-strategy",
+    distribution="megatron-fsdp",
+    module="megatron_fsdp.megatron_fsdp",
+    # 0.1.0-0.6.1: the unconditional statement (mfsdp-te-overwrite) or nothing.
+    fingerprints={megatron_main.RELEASE: "5666668a84917ee9"},
+    **_BY_STRATEGY_COMMON,
+)
+
+
+class PatchedExpertFlag(PatchedOverwriteFlag):
+    """``PatchedOverwriteFlag`` for the static method taking the expert linear module
+    (``__wrapped__`` is the ``staticmethod`` object)."""
+
+    def _params(self, args: tuple, kwargs: dict) -> tuple[Any, tuple, dict]:
+        linear = args[0] if args else kwargs.get("linear_module")
+        # The original sets nothing where fusion is off; neither does the reset.
+        if linear is None or not getattr(linear, "fuse_wgrad_accumulation", False):
+            return (), args, kwargs
+        return list(linear.parameters(recurse=False)), args, kwargs
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class ExpertFlagTarget(OverwriteFlagTarget):
+    """The same inspection, with the wrapper for a static method taking the linear module."""
+
+    @property
+    def wrapper(self) -> type[PatchedOverwriteFlag]:
+        return PatchedExpertFlag
+
+
+MOE_TARGET = ExpertFlagTarget(
+    name="moe-te-overwrite",
+    distribution="megatron-core",
+    module="megatron.core.transformer.moe.experts",
+    switch="GEMM_PATCH_TE_OVERWRITE",
+    relies_on=f"`{STATEMENT}` method",
+    owner="TEGroupedMLP",
+    attribute="_ensure_main_grad",
+    statement=STATEMENT,
+    fingerprints={
+        # 0.13.x-0.18.x: no TEGroupedMLP._ensure_main_grad (not applicable).
+        "0.19.0": "85079750849ec616",
+        "0.19.2": "85079750849ec616",
+        megatron_main.RELEASE: "85079750849ec616",  # = 0.19.2
     },
 )

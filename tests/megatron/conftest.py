@@ -82,36 +82,19 @@ def patched():
 
 
 @contextlib.contextmanager
-def registry_with(target):
-    """``target`` in gemm_patch's registry (a no-op where it is already there) and applied; the
-    registry and the patches as they were afterwards."""
-    import gemm_patch.patcher as patcher
-
-    original = patcher.REGISTRY
-    if target.name not in {t.name for t in original}:
-        patcher.REGISTRY = (*original, target)
+def applied_without(*names: str):
+    """Every other target applied, ``names`` left out through GEMM_PATCH_DISABLE; the variable
+    and the patches as they were afterwards."""
+    saved = os.environ.get("GEMM_PATCH_DISABLE")
     gemm_patch.revert()
+    os.environ["GEMM_PATCH_DISABLE"] = ",".join(names)
     gemm_patch.apply()
     try:
         yield
     finally:
         gemm_patch.revert()
-        patcher.REGISTRY = original
-        gemm_patch.apply()
-
-
-@contextlib.contextmanager
-def registry_without(name: str):
-    """Every other target applied, ``name`` not; put back afterwards."""
-    import gemm_patch.patcher as patcher
-
-    gemm_patch.revert()
-    saved = patcher.REGISTRY
-    patcher.REGISTRY = tuple(t for t in saved if t.name != name)
-    gemm_patch.apply()
-    try:
-        yield
-    finally:
-        gemm_patch.revert()
-        patcher.REGISTRY = saved
+        if saved is None:
+            os.environ.pop("GEMM_PATCH_DISABLE", None)
+        else:
+            os.environ["GEMM_PATCH_DISABLE"] = saved
         gemm_patch.apply()

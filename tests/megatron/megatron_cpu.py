@@ -69,5 +69,5 @@ def unknown_release(*names: str) -> str:
     """Snippet: this process's gemm_patch pretends the installed release is unknown to the named
     targets (their fingerprint tables emptied); the code that runs is the real release's."""
     return ("import dataclasses, gemm_patch.patcher as p\n"
-            f"p.REGISTRY = tuple(dataclasses.replace(x, fingerprints={{}}) if x.name in {names!r} else x "
-            "for x in p.REGISTRY)\n")
+            f"p.use_targets(tuple(dataclasses.replace(x, fingerprints={{}}) if x.name in {names!r} else x "
+            "for x in p.targets()))\n")

@@ -19,7 +19,7 @@ import pytest
 from conftest import APPLICABLE, layers, torch
 
 import gemm_patch
-from gemm_patch.targets.fsdp_wgrad import main_grad_is_persistent
+from gemm_patch.targets.fsdp_rules import main_grad_is_persistent
 
 needs_call_site = pytest.mark.skipif(not APPLICABLE, reason="release has no such call site")
 

@@ -26,11 +26,11 @@ import sys
 import types
 
 import pytest
-from conftest import EXPECTED, registry_with, registry_without, torch
+from conftest import EXPECTED, applied_without, torch
 
 import gemm_patch
 from gemm_patch import detection
-from gemm_patch.targets.moe_overwrite import TARGET
+from gemm_patch.targets.te_overwrite import MOE_TARGET as TARGET
 
 experts = pytest.importorskip("megatron.core.transformer.moe.experts")
 try:
@@ -45,25 +45,17 @@ EXPECT = EXPECTED.get(NAME) or TARGET.expected_state(detection.distribution_vers
 PATCHED = EXPECT in ("verified", "compatible", "forced")
 needs_patch = pytest.mark.skipif(not PATCHED, reason=f"{NAME} is {EXPECT} on this release")
 
-# The target is in gemm_patch.targets.REGISTRY; registering it here as well (a no-op then) keeps
-# the tests meaningful against a registry that lacks it, and puts the registry back afterwards.
-_REGISTER = ("import gemm_patch.patcher as _p\n"
-             "from gemm_patch.targets.moe_overwrite import TARGET as _T\n"
-             "if _T.name not in {t.name for t in _p.REGISTRY}:\n"
-             "    _p.REGISTRY = (*_p.REGISTRY, _T)\n"
-             "_p.apply()\n")
-
-
 @pytest.fixture(scope="module", autouse=True)
 def registered():
-    with registry_with(TARGET):
-        yield
+    gemm_patch.revert()
+    gemm_patch.apply()
+    yield
 
 
 @pytest.fixture
 def without_this_target():
     """Every other target applied (fsdp-te-overwrite included), this one not."""
-    with registry_without(NAME):
+    with applied_without(NAME):
         yield
 
 
@@ -285,9 +277,11 @@ def test_switched_off_with_fsdp_te_overwrite_by_their_shared_variable(monkeypatc
     assert vars(TEGroupedMLP)[METHOD].__wrapped__ is original
 
 
-_UNKNOWN = _REGISTER + f"""
+_UNKNOWN = f"""
 import dataclasses
-_p.REGISTRY = tuple(dataclasses.replace(t, fingerprints={{}}) if t.name == {NAME!r} else t for t in _p.REGISTRY)
+import gemm_patch.patcher as _p
+_p.use_targets(tuple(dataclasses.replace(t, fingerprints={{}}) if t.name == {NAME!r} else t for t in _p.targets()))
+_p.apply()
 import gemm_patch
 import sys
 try:

@@ -20,7 +20,7 @@ import tempfile
 import types
 
 import pytest
-from conftest import EXPECTED, registry_with, registry_without, torch
+from conftest import EXPECTED, applied_without, torch
 
 import gemm_patch
 from gemm_patch import detection
@@ -43,7 +43,9 @@ MICRO_BATCHES = 4
 def registered_and_grouped():
     import torch.distributed as dist
 
-    with registry_with(TARGET), tempfile.TemporaryDirectory() as tmp:
+    gemm_patch.revert()
+    gemm_patch.apply()
+    with tempfile.TemporaryDirectory() as tmp:
         owns = not dist.is_initialized()
         if owns:
             dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'store')}", rank=0, world_size=1)
@@ -54,7 +56,7 @@ def registered_and_grouped():
 
 @pytest.fixture
 def without_this_target():
-    with registry_without(NAME):
+    with applied_without(NAME):
         yield
 
 

@@ -143,7 +143,7 @@ def test_reload_is_patched_again_and_status_describes_the_live_class():
     """, MICRO_BATCHES.replace("import torch, types, megatron.core.tensor_parallel.layers as L",
                                 "import torch, types"), PRINT_STATES))
     assert out.returncode == 0, out.stderr
-    assert "live PatchedCallSite True" in out.stdout, out.stdout
+    assert "live PatchedTwin True" in out.stdout, out.stdout
     assert "ratio 1.0" in out.stdout, out.stdout
     assert states(out)["fsdp-wgrad"] == "verified"
 

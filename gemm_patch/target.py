@@ -13,18 +13,35 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import wrapt
+
+from .callsite import CallSiteError
+
 VERIFIED = "verified"  # the code relied on is the one recorded for this release
 COMPATIBLE = "compatible"  # identical to the code of another verified release
 UNVERIFIED = "unverified"  # unknown code: left alone
 FORCED = "forced"  # unknown code, patched because GEMM_PATCH_ALLOW_UNVERIFIED=1
 NOT_APPLICABLE = "not applicable"
 SKIPPED = "skipped"  # could not be inspected, or the live object is not the one on disk
-PENDING = "pending"
+PENDING = "pending"  # its module is not imported yet: patched right after its import
 OFF = "off"
-APEX_REAL = "apex real"  # apex-wgrad: apex's own extension imported, nothing to provide
 REPLACED = "replaced"  # another object sits where gemm_patch's was: left as it is
 
 PATCHED_STATES = frozenset({VERIFIED, COMPATIBLE, FORCED})
+TROUBLED_STATES = frozenset({UNVERIFIED, SKIPPED, REPLACED})  # a WARNING: not patched where it should be
+
+# What each state means, for `gemm-patch status` (a target adds its own in ``extra_states``).
+STATE_MEANINGS = {
+    VERIFIED: "patched: the code is the one recorded for this release",
+    COMPATIBLE: "patched: the code is identical to another verified release's",
+    FORCED: "patched although unknown, because GEMM_PATCH_ALLOW_UNVERIFIED=1",
+    UNVERIFIED: "left alone: the code differs from every recorded release",
+    SKIPPED: "left alone: the code could not be read, or is not the file's own",
+    REPLACED: "something else was installed over gemm_patch's object since",
+    PENDING: "waiting: patched right after its module is imported",
+    OFF: "turned off by a variable, revert(), or not applied",
+    NOT_APPLICABLE: "nothing to fix in what is installed",
+}
 
 ALLOW_UNVERIFIED = "GEMM_PATCH_ALLOW_UNVERIFIED"
 
@@ -142,6 +159,10 @@ class Target:
     default_on: bool = True  # False: opt-in, the variable must be set to 1
     relies_on: str = "code"  # what the fingerprint covers, in reasons
 
+    # States of this target's own beyond the common ones (state -> meaning), and whether each
+    # counts as applying to what is installed (shown by `gemm-patch status` without --all).
+    extra_states: Mapping[str, str] = field(default_factory=dict)
+
     @property
     def switch_variable(self) -> str:
         return self.switch or "GEMM_PATCH_" + self.name.upper().replace("-", "_")
@@ -175,16 +196,30 @@ class Target:
         left = undo.in_place()
         return f"{', '.join(left)} no longer gemm_patch's" if left else None
 
+    # -- what a target says ---------------------------------------------------------------
+
+    def summary_part(self, st: TargetStatus) -> str:
+        """This target's words in the summary log line."""
+        if st.state in (UNVERIFIED, SKIPPED):
+            return f"{st.name} {st.state}: {st.reason}"
+        if st.state == OFF:
+            return f"{st.name} off ({st.reason})"
+        return f"{st.name} {st.state}"
+
+    def status_fields(self, st: TargetStatus | None) -> dict[str, tuple[str, str]]:
+        """Top-level fields this target adds to ``status()`` (name -> (word, meaning))."""
+        return {}
+
     # -- the template ------------------------------------------------------------------------
 
     def patch(self, module: types.ModuleType, version: str | None, cfg: Any) -> tuple[TargetStatus, Undo]:
         """Judge and, where proven, patch ``module``. Raises ``Refused`` under strict mode for
         unknown code and for a skip; every other outcome is a status."""
-        from ..callsite import CallSiteError
-
         def status(state: str, reason: str, fp: str | None = None) -> TargetStatus:
             return TargetStatus(self.name, self.module, state, reason, version, fp)
 
+        if self.name in cfg.left_out:
+            return status(OFF, "GEMM_PATCH_DISABLE lists it"), Undo()
         if not cfg.switch_on(self.switch_variable, self.default_on):
             return status(OFF, f"{self.switch_variable}=0" if self.default_on
                           else f"opt-in: set {self.switch_variable}=1 to enable"), Undo()
@@ -252,3 +287,20 @@ class MethodTarget(Target):
         if getattr(live, "_self_gemm_patch_target", None) == self.name:
             return None
         return f"{module.__name__}.{self.where} is now {_describe(live)}, not gemm_patch's wrapper"
+
+
+class PatchedTwin(wrapt.FunctionWrapper):
+    """The installed object for every twin: a wrapt FunctionWrapper around the upstream function
+    (``__wrapped__`` is it, so introspection sees its name, doc and signature) whose calls run the
+    twin instead. A twin bound by a class body as a ``staticmethod`` is called with the arguments
+    as given; a plain method also receives the instance it was looked up on."""
+
+    def __init__(self, original: Any, twin: Any) -> None:
+        static = isinstance(twin, (staticmethod, classmethod))
+        function = twin.__func__ if static else twin
+
+        def run_twin(wrapped, instance, args, kwargs):
+            return function(*args, **kwargs) if static else function(instance, *args, **kwargs)
+
+        super().__init__(original, run_twin)
+        self._self_gemm_patch_twin = twin

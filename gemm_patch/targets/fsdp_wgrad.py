@@ -155,17 +155,23 @@ class CallSiteTarget(MethodTarget):
         return note
 
 
-TARGET = CallSiteTarget(
-    name="fsdp-wgrad",
+# What both forms of the fix share: megatron-core's backward of the fused linear, one switch.
+_BACKWARD = dict(
     distribution="megatron-core",
     module=LAYERS,
+    switch="GEMM_PATCH_FSDP_WGRAD",
     owner="LinearWithGradAccumulationAndAsyncCommunication",
     attribute="backward",
     relies_on="backward",
+    dummies=DUMMY_CALLS,
+)
+
+TARGET = CallSiteTarget(
+    name="fsdp-wgrad",
     call=CALL,
     replacement=fsdp_wgrad,
     also={TE_CALL: fsdp_wgrad_te},
-    dummies=DUMMY_CALLS,
+    **_BACKWARD,
     fingerprints={
         # 0.13.x has no such call: not applicable, nothing to record.
         "0.14.0": "7ec854ca9d6a137e",
@@ -199,16 +205,10 @@ def fsdp_wgrad_gemm(out: Any, grad_output: Any, total_input: Any, *, param: Any 
 
 GEMM_TARGET = CallSiteTarget(
     name="fsdp-wgrad-gemm",
-    distribution="megatron-core",
-    module=LAYERS,
-    switch="GEMM_PATCH_FSDP_WGRAD",
-    owner="LinearWithGradAccumulationAndAsyncCommunication",
-    attribute="backward",
-    relies_on="backward",
     call=GEMM_CALL,
     replacement=fsdp_wgrad_gemm,
     also={},
-    dummies=DUMMY_CALLS,
+    **_BACKWARD,
     fingerprints={
         # 0.13.x-0.19.x: no such call (fsdp-wgrad's torch.matmul instead): not applicable.
         megatron_main.RELEASE: "5bed6b0307f4975f",

@@ -107,14 +107,16 @@ class OverwriteFlagTarget(MethodTarget):
         return PatchedOverwriteFlag
 
 
+SWITCH = "GEMM_PATCH_TE_OVERWRITE"  # one switch for every place that sets the flag
+MCORE_FSDP = "megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp"
+_UNSHARD = dict(switch=SWITCH, owner="MegatronFSDP", attribute="all_gather_and_wait_parameters_ready")
+
 TARGET = OverwriteFlagTarget(
     name="fsdp-te-overwrite",
     distribution="megatron-core",
-    module="megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp",
-    switch="GEMM_PATCH_TE_OVERWRITE",
+    module=MCORE_FSDP,
     relies_on=f"`{STATEMENT}` method",
-    owner="MegatronFSDP",
-    attribute="all_gather_and_wait_parameters_ready",
+    **_UNSHARD,
     fingerprints={
         # 0.13.x has no such module (custom_fsdp sets no flag), 0.14.0 no such statement.
         "0.15.0": "cc3e6cbc490ab4f5",
@@ -138,10 +140,8 @@ STANDALONE = OverwriteFlagTarget(
     name="mfsdp-te-overwrite",
     distribution="megatron-fsdp",
     module="megatron_fsdp.megatron_fsdp",
-    switch="GEMM_PATCH_TE_OVERWRITE",
     relies_on=f"`{STATEMENT}` method",
-    owner="MegatronFSDP",
-    attribute="all_gather_and_wait_parameters_ready",
+    **_UNSHARD,
     fingerprints={
         "0.2.0": "cc3e6cbc490ab4f5",
         "0.2.1": "cc3e6cbc490ab4f5",
@@ -161,17 +161,15 @@ STANDALONE = OverwriteFlagTarget(
 BY_STRATEGY = ('param.overwrite_main_grad = self.data_parallel_sharding_strategy in '
                '["optim_grads", "optim_grads_params"]')
 _BY_STRATEGY_COMMON = dict(
-    switch="GEMM_PATCH_TE_OVERWRITE",
     relies_on="`param.overwrite_main_grad = <strategy is optim_grads(_params)>` method",
-    owner="MegatronFSDP",
-    attribute="all_gather_and_wait_parameters_ready",
     statement=BY_STRATEGY,
+    **_UNSHARD,
 )
 
 BY_STRATEGY_TARGET = OverwriteFlagTarget(
     name="fsdp-te-overwrite-by-strategy",
     distribution="megatron-core",
-    module="megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp",
+    module=MCORE_FSDP,
     # 0.13.x-0.19.x: `param.overwrite_main_grad = True` (fsdp-te-overwrite) or nothing.
     fingerprints={megatron_main.RELEASE: "5666668a84917ee9"},
     **_BY_STRATEGY_COMMON,
@@ -212,7 +210,7 @@ MOE_TARGET = ExpertFlagTarget(
     name="moe-te-overwrite",
     distribution="megatron-core",
     module="megatron.core.transformer.moe.experts",
-    switch="GEMM_PATCH_TE_OVERWRITE",
+    switch=SWITCH,
     relies_on=f"`{STATEMENT}` method",
     owner="TEGroupedMLP",
     attribute="_ensure_main_grad",

@@ -3,7 +3,7 @@
 Megatron-FSDP reduces a gradient buffer with ``gradient_reduce_preprocessing``'s op over the
 buffer's data-parallel group. On a one-rank group (experts under EP = DP) the buffer is not
 sharded and keeps the step's micro-batches summed; NCCL's one-rank reduce-scatter drops a
-PreMulSum factor (measured on the H200, examples/premul_one_rank.py), and megatron's other
+PreMulSum factor (measured on the H200, validation/probes/premul_one_rank.py), and megatron's other
 branch, ``mul_`` at every reduce, compounds over micro-batches. The tests build the release's
 own ``DataParallelBuffer`` objects over a one-process gloo group, slices of one allocation as
 ``buffer_all_in_one`` makes them, accumulate micro-batches into them, call the release's own

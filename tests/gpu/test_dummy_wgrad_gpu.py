@@ -1,4 +1,4 @@
-"""te-dummy-wgrad with the real Transformer Engine on a GPU (issue 12): a TE ``Linear`` with
+"""te-dummy-wgrad with the real Transformer Engine on a GPU: a TE ``Linear`` with
 ``fuse_wgrad_accumulation`` returns a dummy that is not TE's cached tensor, its main_grad still
 sums every backward, the cached tensor comes back during CUDA-graph capture, and after
 ``revert()`` TE's cache is used again (so the first test can fail)."""

@@ -1,5 +1,5 @@
 """A weight used more than once in one backward, with gradient-accumulation fusion on, under
-Megatron-FSDP's real post-backward hook (issue 13).
+Megatron-FSDP's real post-backward hook.
 
 Runs per megatron-core release (compat/matrix.py puts it on PYTHONPATH); where the standalone
 megatron-fsdp package is importable too (PYTHONPATH=compat/.cache/mfsdp-X:...), its copy of
@@ -158,11 +158,12 @@ class ReducePipeline:
 
 
 class AllGatherPipeline:
-    def __init__(self):
-        self.gathered = 0
+    def __init__(self, num_buckets: int = 0):
+        self.gathered, self.num_buckets, self.bucket_can_be_released = 0, num_buckets, {}
 
     def all_gather_params(self, params, **kwargs):
         self.gathered += 1
+        self.backward_gathers = getattr(self, "backward_gathers", 0) + bool(kwargs.get("bwd"))
 
     def wait_bucket_ready(self, *args, **kwargs):
         pass
@@ -183,9 +184,12 @@ def fsdp_param(param, distributed: bool):
     return gbuf
 
 
-def wrap(module_fsdp, root: torch.nn.Module, distributed: bool):
+def wrap(module_fsdp, root: torch.nn.Module, distributed: bool, strategy: str | None = None,
+         fine_grained: bool = False):
     """A MegatronFSDP over ``root`` without __init__, holding what ``_register_fsdp_hooks`` and
-    the hooks it registers read; then the release's (possibly patched) ``_register_fsdp_hooks``."""
+    the hooks it registers read; then the release's (possibly patched) ``_register_fsdp_hooks``.
+    ``fine_grained``: ``enable_fine_grained_param_gather_hook`` (and 0.19's backward twin of it),
+    an unshard hook before every module's forward and backward."""
     cls = module_fsdp.MegatronFSDP
     obj = object.__new__(cls)
     torch.nn.Module.__init__(obj)
@@ -197,7 +201,7 @@ def wrap(module_fsdp, root: torch.nn.Module, distributed: bool):
         groups.append(types.SimpleNamespace(name=i, params=[p], requires_grad=True, hfsdp_helper_gbuf=None,
                                             hsdp_gbuf=None, main_grad_buffer=gbuf, gbuf=gbuf, fsdp_unit_id=None,
                                             is_expert_param=False))
-    strategy = "optim_grads" if distributed else "no_shard"
+    strategy = strategy or ("optim_grads" if distributed else "no_shard")
     buffer = types.SimpleNamespace(param_to_param_group={p: i for i, p in enumerate(params)},
                                    parameter_groups=groups)
     ddp_config = types.SimpleNamespace(
@@ -207,9 +211,9 @@ def wrap(module_fsdp, root: torch.nn.Module, distributed: bool):
     vars(obj).update(
         module=root, ddp_config=ddp_config, data_parallel_sharding_strategy=strategy,
         param_and_grad_buffer=buffer, param_to_name={p: f"p{i}" for i, p in enumerate(params)},
-        grad_reduce_pipeline=ReducePipeline(groups), all_gather_pipeline=AllGatherPipeline(),
-        fsdp_unit_modules=[], enable_fine_grained_param_gather_hook=False,
-        enable_fine_grained_param_gather_backward_hook=False, fine_grained_recurse_module_types=(),
+        grad_reduce_pipeline=ReducePipeline(groups), all_gather_pipeline=AllGatherPipeline(len(groups)),
+        fsdp_unit_modules=[], enable_fine_grained_param_gather_hook=fine_grained,
+        enable_fine_grained_param_gather_backward_hook=fine_grained, fine_grained_recurse_module_types=(),
         dist_index=types.SimpleNamespace(use_hybrid_fsdp=False), report_nan_in_param_grad=False,
         model_auto_sync=False, microbatch_count=0, suggested_RS_queue_capacity=None,
         suggested_AG_prefetch_size=None, is_param_fsdp_distributed=True, is_last_microbatch=True,
@@ -281,12 +285,12 @@ def keeps_weight_arguments(target, module) -> bool:
 
 
 def train(module_fsdp, *, tied: bool, mtp: bool, distributed: bool, micro_batches: int = 2, seed: int = 0,
-          upstream_failure_skips: bool = True):
+          upstream_failure_skips: bool = True, **wrap_kwargs):
     """Forward/backward ``micro_batches`` times through MegatronFSDP's hooks; returns the
-    model, each parameter's reduced gradient and the fp64 reference."""
+    model, each parameter's reduced gradient and the fp64 reference. ``wrap_kwargs``: ``wrap``'s."""
     torch.manual_seed(seed)
     model = TiedLM(tied, mtp)
-    obj = wrap(module_fsdp, model, distributed)
+    obj = wrap(module_fsdp, model, distributed, **wrap_kwargs)
     gen = torch.Generator().manual_seed(seed + 1)
     tokens_list, grads_list = [], []
     for _ in range(micro_batches):
@@ -301,7 +305,7 @@ def train(module_fsdp, *, tied: bool, mtp: bool, distributed: bool, micro_batche
                 # on every module that passes its tensor arguments through an identity autograd
                 # Function, so the tied weight reaches the output layer as a non-leaf tensor
                 # without __fsdp_param__ or main_grad and megatron's fused branch fails
-                # (issue13.md): upstream. The target keeps the parameter out of it on the code
+                # (validation/notes/tied-weights.md): upstream. The target keeps the parameter out of it on the code
                 # it knows (param_arg_fingerprints); elsewhere there is no fused write to fix.
                 pytest.skip("tied weight passed through RegisterFSDPBackwardFunction: megatron's "
                             "fused wgrad fails upstream on this release")

@@ -6,7 +6,7 @@ the buffer sums the step's micro-batches and is reduced once) or a freshly alloc
 unzeroed communication bucket that is reduce-scattered before the next micro-batch (sharded
 gradients on more than one rank). The first must be added to, the second overwritten.
 ``megatron_fsdp_param`` rebuilds the attributes Megatron-FSDP sets on a parameter (see
-examples/README.md for the file:line of each), runs several micro-batches through
+docs/how-it-works.md for the file:line of each), runs several micro-batches through
 megatron's own fused-wgrad autograd function and checks what the buffer ends up holding.
 """
 

@@ -7,7 +7,7 @@ layers read that flag in forward and overwrite ``main_grad`` in backward. The ta
 where ``main_grad`` is the persistent buffer. The behavioural tests run the release's own method
 (through the installed wrapper) on an instance made with ``object.__new__`` that carries only the
 attributes the method reads (a real MegatronFSDP needs CUDA and process groups), with parameters
-carrying Megatron-FSDP's ``_gbuf`` interface (examples/README.md).
+carrying Megatron-FSDP's ``_gbuf`` interface (docs/how-it-works.md).
 """
 
 from __future__ import annotations

@@ -27,8 +27,9 @@ directory holds the same file, so it is importable wherever the bootstrap is.
 Standard library only, and only modules every interpreter has loaded before site runs (os,
 sys, _thread); nothing at all is done when ``GEMM_PATCH=0``. A failure is one line on stderr
 and an unpatched, running process; with ``GEMM_PATCH_STRICT=1`` it is that line and exit
-status 1 instead. The syntax stays plain because any interpreter started under the launcher
-parses this file, whatever its version.
+status 1 instead, and so is gemm_patch refusing a target module's code later, when that module
+is imported, in whichever thread (``_StrictGuard``). The syntax stays plain because any
+interpreter started under the launcher parses this file, whatever its version.
 """
 
 import os
@@ -121,6 +122,9 @@ def load_gemm_patch(source, trigger=None):
     except Exception as exc:
         if first:
             _fail(source, exc, trigger)
+        return
+    if first and _flag("GEMM_PATCH_STRICT") in _TRUE:
+        _guard_strict_refusals(source)
 
 
 class _Finder(object):
@@ -193,6 +197,96 @@ class _ChainedLoader(object):
             module.__loader__ = self.loader
         load_gemm_patch(self.finder.source, module.__name__)
         self.loader.exec_module(module)
+
+
+def _is_refusal(exc):
+    """A GemmPatchError (compared by name: this module never imports gemm_patch itself)."""
+    return type(exc).__name__ == "GemmPatchError" and type(exc).__module__.startswith("gemm_patch")
+
+
+class _StrictGuard(object):
+    """Strict mode only, once gemm_patch is loaded, first on sys.meta_path for good: wraps the
+    loader of every module under TRIGGERS so that a GemmPatchError raised while one executes
+    (gemm_patch refusing code it does not know, from its post-import hook) ends the process
+    with one line and exit status 1, as a refusal while gemm_patch itself is imported does.
+    Left to propagate, it would be a traceback through the user's imports and, raised in a
+    thread, would end only that thread while the rest of the process ran on unpatched.
+
+    It must come before gemm_patch's own post-import finder on sys.meta_path, so that the
+    loader that finder wraps (the one whose hook raises) runs inside this one's ``exec_module``:
+    ``_guard_strict_refusals`` inserts it after ``import gemm_patch`` has put that finder there."""
+
+    def __init__(self, source):
+        self.source = source
+        self._busy = set()
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname.partition(".")[0] not in TRIGGERS:
+            return None
+        me = _thread.get_ident()
+        if me in self._busy:
+            return None
+        self._busy.add(me)
+        try:
+            spec = None
+            for finder in list(sys.meta_path):
+                if finder is self:
+                    continue
+                find = getattr(finder, "find_spec", None)
+                if find is None:
+                    if hasattr(finder, "find_module"):
+                        return None
+                    continue
+                spec = find(fullname, path, target)
+                if spec is not None:
+                    break
+        except Exception:
+            return None  # Python's own loop asks the same finders and reports what they raise
+        finally:
+            self._busy.discard(me)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        if "NamespaceLoader" in type(spec.loader).__name__:
+            return spec
+        spec.loader = _GuardedLoader(spec.loader, self.source)
+        return spec
+
+
+class _GuardedLoader(object):
+    def __init__(self, loader, source):
+        self.loader = loader
+        self.source = source
+
+    def __getattr__(self, name):
+        if name in ("loader", "source"):
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+    def create_module(self, spec):
+        create = getattr(self.loader, "create_module", None)
+        return create(spec) if create is not None else None
+
+    def exec_module(self, module):
+        spec = getattr(module, "__spec__", None)
+        if spec is not None and spec.loader is self:
+            spec.loader = self.loader
+        if getattr(module, "__loader__", None) is self:
+            module.__loader__ = self.loader
+        try:
+            self.loader.exec_module(module)
+        except Exception as exc:
+            # The innermost guarded module stops the process; an outer one sees it only when
+            # gemm_patch raised it with GEMM_PATCH_STRICT since unset (apply(strict=True)).
+            if _is_refusal(exc) and _flag("GEMM_PATCH_STRICT") in _TRUE:
+                _fail(self.source, exc, module.__name__)
+            raise
+
+
+def _guard_strict_refusals(source):
+    with _lock:
+        if any(isinstance(finder, _StrictGuard) for finder in sys.meta_path):
+            return
+        sys.meta_path.insert(0, _StrictGuard(source))
 
 
 def _fail(source, exc, trigger=None):

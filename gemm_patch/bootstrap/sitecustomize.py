@@ -87,11 +87,25 @@ def _report(what, exc):
         pass
 
 
+# Set on sys while _main runs. A sitecustomize that, like this one, runs "the next one on
+# sys.path" but skips only its own folder finds this file again and runs it: without the mark
+# the two would run each other until a RecursionError.
+_RUNNING = "_gemm_patch_bootstrap_running"
+
+
 def _main():
+    if getattr(sys, _RUNNING, False):
+        return  # run again from the sitecustomize that the outer run is running: nothing to do
+    setattr(sys, _RUNNING, True)
     try:
         _run_next_sitecustomize()
     except Exception as exc:
         _report("could not look for the sitecustomize this one stands in for", exc)
+    finally:
+        try:
+            delattr(sys, _RUNNING)
+        except AttributeError:
+            pass
     try:
         import _gemm_patch_startup
     except Exception as exc:

@@ -34,13 +34,76 @@ def main_grad_is_persistent(param: Any) -> bool:
     return gbuf is not None and not getattr(gbuf, "is_data_distributed", True)
 
 
+# Per parameter: the backward (autograd graph task) in which a fused write last went into its
+# main_grad, until Megatron-FSDP's ``_grad_acc`` hands that gradient on (``restore_written_flag``).
+WRITTEN = "_gemm_patch_wgrad_written"
+_graph_task = None  # torch._C._current_graph_task_id, bound on the first call (it imports torch)
+
+
+def current_backward() -> int | None:
+    """The id of the autograd graph task running now (one per ``backward()``; -1 outside one),
+    or None on a torch without ``_current_graph_task_id``."""
+    global _graph_task
+    if _graph_task is None:
+        import torch
+
+        _graph_task = getattr(torch._C, "_current_graph_task_id", None) or (lambda: None)
+    return _graph_task()
+
+
 def wgrad_accumulates(param: Any) -> bool:
-    """Add rather than overwrite: the buffer persists, or this backward already wrote the
-    weight's main_grad once (megatron sets ``grad_added_to_main_grad`` after each fused write;
-    a weight used twice in one backward, a tied output layer under MTP, is written twice)."""
+    """Add rather than overwrite; called once right before each fused write into
+    ``param.main_grad``, which it records.
+
+    Add where the buffer persists (the step's sum: always add), or where this backward has
+    already put a gradient of the weight into its main_grad: a weight used twice in one backward
+    (a tied output layer under MTP) is written twice, and the second write must keep the first.
+
+    "Already written in this backward" is not ``grad_added_to_main_grad`` alone. Megatron sets
+    that flag after each fused write, but Megatron-FSDP clears it on every unshard
+    (``all_gather_and_wait_parameters_ready``), and with ``enable_fine_grained_param_gather_hook``
+    every module unshards its weights again before its own backward: between the two uses of
+    the weight, the flag reads False (megatron-core 0.16-0.19, sharded strategies: the second
+    write overwrote the first). So each write is also recorded on the parameter, with the id of
+    the autograd graph task it ran in, and a later write in the same graph task adds. Nothing
+    else could stand in for it: on sharded strategies each backward's bucket is allocated by
+    ``fetch_bucket`` (``torch.empty``, not zeroed) and freed after its reduce-scatter, so its
+    address or storage may be the next backward's too, and the first write of every backward
+    must overwrite (the record of an earlier backward never matches). Within one backward the
+    bucket is not reduced before the weight's ``_grad_acc`` (run once all its uses have reached
+    autograd's accumulation), which ends the record (``restore_written_flag``); a write in a
+    nested backward (reentrant activation checkpointing) has its own graph task and overwrites,
+    as without the record. The flag still counts: where it is set, megatron says the write of
+    this backward is in, as before. On a torch without the graph-task id only the flag counts."""
     if param is None:
         return False
-    return main_grad_is_persistent(param) or bool(getattr(param, "__dict__", {}).get("grad_added_to_main_grad"))
+    attrs = getattr(param, "__dict__", {})
+    backward = current_backward()
+    written = backward is not None and backward >= 0 and attrs.get(WRITTEN) == backward
+    attrs[WRITTEN] = backward
+    return main_grad_is_persistent(param) or bool(attrs.get("grad_added_to_main_grad")) or written
+
+
+def restore_written_flag(param: Any) -> None:
+    """First statement of Megatron-FSDP's ``_grad_acc`` (the fsdp-shared-grad twin): where a
+    fused write of this backward went into ``main_grad`` but an unshard has cleared
+    ``grad_added_to_main_grad`` since, set it again, and end the record.
+
+    ``_grad_acc`` reads the flag to tell "main_grad holds the fused wgrad, ``param.grad`` is
+    megatron's dummy (plus, on a tied weight, the other uses' gradient)" from "no fused write,
+    ``param.grad`` is the whole gradient". Read as False after a fused write, it copies
+    ``param.grad`` over the fresh bucket (sharded) or adds it into the persistent buffer: the
+    fused gradient is lost or the dummy's memory is added. With the flag set, the fused gradient
+    stays and ``add_shared_grad`` adds a ``zero_out_wgrad`` weight's ``param.grad``, as upstream
+    does when no unshard intervened. Only a record of the graph task running now counts (the
+    post-accumulate-grad hooks and the root post-backward callback run in it); a record left by
+    a backward that never reached ``_grad_acc`` is dropped."""
+    attrs = getattr(param, "__dict__", None)
+    if not attrs or WRITTEN not in attrs:
+        return
+    written = attrs.pop(WRITTEN)
+    if written is not None and written == current_backward() and not attrs.get("grad_added_to_main_grad"):
+        param.grad_added_to_main_grad = True
 
 
 def view_forbidden(tensor: Any) -> bool:

@@ -23,6 +23,17 @@ or the same not-yet-reduced fresh bucket, that the fused writes of this backward
 for a ``zero_out_wgrad`` weight, as DDP does. The method runs once per MegatronFSDP, in its
 ``__init__``: instances built before the patch keep upstream's hooks.
 
+The twin also puts one call first in ``_grad_acc``::
+
+    _gemm_patch_written_flag(param)   # added: fsdp_rules.restore_written_flag
+
+With ``enable_fine_grained_param_gather_hook`` every module unshards its weights before its
+own backward, and each unshard clears ``grad_added_to_main_grad``: the tied weight reaches
+``_grad_acc`` with the output layer's fused wgrad in main_grad but the flag cleared by the
+embedding's unshard, and upstream's ``main_grad.copy_(param.grad)`` overwrites the fused
+gradient. The call sets the flag again where fsdp-wgrad recorded a fused write of this backward
+(``wgrad_accumulates``), so the statement above adds instead.
+
 On megatron-core 0.14-0.15 (megatron-fsdp 0.1-0.2) the twin changes a second statement. There a
 pre-forward hook on every module passes each tensor argument that requires grad through an
 identity autograd Function (``RegisterFSDPBackwardFunction``), so that the module's post-backward
@@ -53,12 +64,13 @@ from ..callsite import (
     parse_method,
 )
 from ..target import Inspection, MethodTarget, PatchedTwin, Undo
-from .fsdp_rules import is_fsdp_param
+from .fsdp_rules import is_fsdp_param, restore_written_flag
 
 NESTED = "_grad_acc"
 STATEMENT = "if param.grad_added_to_main_grad and param.grad is not None:\n    del param.grad\n"
 TO_LOCAL = "to_local_if_dtensor"
 CELL = "_gemm_patch_shared_grad"
+FLAG_CELL = "_gemm_patch_written_flag"
 
 
 def add_shared_grad(param: Any, to_local: Any) -> None:
@@ -108,14 +120,20 @@ def _arg_site(funcdef: ast.FunctionDef) -> ast.If:
     return found[0]
 
 
+def _call(name: str, *args: str) -> ast.Expr:
+    return ast.Expr(value=ast.Call(func=ast.Name(id=name, ctx=ast.Load()),
+                                   args=[ast.Name(id=a, ctx=ast.Load()) for a in args], keywords=[]))
+
+
 def _edit_grad_acc(funcdef: ast.FunctionDef) -> None:
     statement = _site(funcdef)
-    call = ast.Expr(value=ast.Call(func=ast.Name(id=CELL, ctx=ast.Load()),
-                                   args=[ast.Name(id="param", ctx=ast.Load()),
-                                         ast.Name(id=TO_LOCAL, ctx=ast.Load())],
-                                   keywords=[]))
     # Positions of the `del`: a traceback through the added call points at megatron's line.
-    statement.body.insert(0, ast.copy_location(call, statement.body[0]))
+    statement.body.insert(0, ast.copy_location(_call(CELL, "param", TO_LOCAL), statement.body[0]))
+    # First in _grad_acc, after its docstring; at the position of the statement it precedes.
+    body = _nested(funcdef)[0].body
+    first = 1 if len(body) > 1 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+        and isinstance(body[0].value.value, str) else 0
+    body.insert(first, ast.copy_location(_call(FLAG_CELL, "param"), body[first]))
 
 
 def _edit_both(funcdef: ast.FunctionDef) -> None:
@@ -152,7 +170,8 @@ class SharedGradTarget(MethodTarget):
 
     def install(self, module: types.ModuleType, found: Inspection, undo: Undo, cfg: Any) -> str | None:
         both = found.fingerprint in self.param_arg_fingerprints
-        cells = {CELL: add_shared_grad, **({ARG_CELL: is_fsdp_param} if both else {})}
+        cells = {CELL: add_shared_grad, FLAG_CELL: restore_written_flag,
+                 **({ARG_CELL: is_fsdp_param} if both else {})}
         twin = build_edited_twin(found.payload, self.where, _edit_both if both else _edit_grad_acc, cells)
         self.replace(module, undo, PatchedTwin(self.live_object(module), twin))
         return f"{ARG_HOOK}: Megatron-FSDP parameters passed as arguments stay parameters" if both else None

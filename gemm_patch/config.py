@@ -28,9 +28,24 @@ class Config:
     allow_unverified: bool = False
     switches: Mapping[str, bool] = field(default_factory=dict)  # a target's variable -> on
     left_out: frozenset[str] = frozenset()  # GEMM_PATCH_DISABLE: target names
+    choices: Mapping[str, str] = field(default_factory=dict)  # a variable set to a named value -> it
 
     def switch_on(self, variable: str, default: bool = True) -> bool:
         return self.switches.get(variable, default)
+
+    def choice(self, variable: str) -> str | None:
+        """The named value (a ``Named`` switch's, e.g. ``replace``) ``variable`` holds, else None."""
+        return self.choices.get(variable)
+
+
+@dataclass(frozen=True)
+class Named:
+    """A switch that accepts named values beside on/off (``GEMM_PATCH_APEX=replace``): declared
+    by a target as the default of its variable; a named value means on, and is kept in
+    ``Config.choices``."""
+
+    default: bool
+    values: tuple[str, ...]
 
 
 def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
@@ -46,6 +61,22 @@ def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
         f"{name}={raw!r} is not accepted; use one of {', '.join(_TRUE + _FALSE)} "
         f"(unset means {'1' if default else '0'})"
     )
+
+
+def _switch(env: Mapping[str, str], name: str, spec: bool | Named, chosen: dict[str, str]) -> bool:
+    if not isinstance(spec, Named):
+        return _flag(env, name, spec)
+    value = (env.get(name) or "").strip().lower()
+    if value in spec.values:
+        chosen[name] = value
+        return True
+    try:
+        return _flag(env, name, spec.default)
+    except ConfigError:
+        raise ConfigError(
+            f"{name}={env[name]!r} is not accepted; use one of {', '.join(_TRUE + _FALSE + spec.values)} "
+            f"(unset means {'1' if spec.default else '0'})"
+        ) from None
 
 
 def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...], default: str,
@@ -94,24 +125,26 @@ def enabled(env: Mapping[str, str] | None = None) -> bool:
 
 
 def load(env: Mapping[str, str] | None = None,
-         switches: tuple[str, ...] | Mapping[str, bool] = (), targets: tuple[str, ...] = ()) -> Config:
+         switches: tuple[str, ...] | Mapping[str, bool | Named] = (), targets: tuple[str, ...] = ()) -> Config:
     """Read every GEMM_PATCH_* variable, each target switch in ``switches`` (names, or name ->
-    default for opt-in targets) and ``GEMM_PATCH_DISABLE`` (a subset of ``targets``, the known
-    target names); raise ConfigError naming the first bad one. With ``GEMM_PATCH=0`` nothing else
-    is read."""
+    default for opt-in targets, or -> ``Named`` for one that also accepts named values) and
+    ``GEMM_PATCH_DISABLE`` (a subset of ``targets``, the known target names); raise ConfigError
+    naming the first bad one. With ``GEMM_PATCH=0`` nothing else is read."""
     env = os.environ if env is None else env
     if not _flag(env, "GEMM_PATCH", True):
         return Config(enabled=False)
     _flag(env, "GEMM_PATCH_AUTO", False)  # read by the start-up hook; validated here for one message
+    chosen: dict[str, str] = {}
     return Config(
         enabled=True,
         strict=_flag(env, "GEMM_PATCH_STRICT", False),
         backend=_choice(env, "GEMM_PATCH_BACKEND", BACKEND_CHOICES, "auto"),
         log_level=_choice(env, "GEMM_PATCH_LOG_LEVEL", LOG_LEVEL_CHOICES, "INFO", str.upper),
         allow_unverified=_flag(env, "GEMM_PATCH_ALLOW_UNVERIFIED", False),
-        switches={name: _flag(env, name, default) for name, default in
+        switches={name: _switch(env, name, default, chosen) for name, default in
                   (switches.items() if isinstance(switches, Mapping) else dict.fromkeys(switches, True).items())},
         left_out=_names(env, "GEMM_PATCH_DISABLE", targets),
+        choices=chosen,
     )
 
 

@@ -5,11 +5,18 @@ parameters that never call it. The stand-in is a plain module whose two function
 apex's do, ``main_grad += grad_output^T @ total_input`` with fp32 accumulation, through the
 WgradDispatcher. It goes into ``sys.modules`` (for by-name imports such as the deferred
 embedding wgrad in ``megatron/core/utils.py``) and into the layers module's globals, and the
-availability flag becomes True. A real apex is never shadowed.
+availability flag becomes True. A real apex is never shadowed, unless asked:
+
+``GEMM_PATCH_APEX=replace`` routes apex's two wgrad functions through the dispatcher even where
+apex's extension imports (a real apex that fails, e.g. ``CUBLAS_STATUS_NOT_INITIALIZED`` on
+GB200): the stand-in goes over the real extension in the layers module and in ``sys.modules``,
+under the same fingerprint gate, and revert puts the real one back. ``1`` (the default) provides
+it only where apex is missing; ``0`` turns the target off.
 """
 
 from __future__ import annotations
 
+import contextvars
 import importlib.machinery
 import sys
 import types
@@ -17,10 +24,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..apex_analysis import find_apex_usage
+from ..config import Named
 from ..target import NOT_APPLICABLE, OFF, PATCHED_STATES, PENDING, SKIPPED, Inspection, Target, TargetStatus, Undo
 
 EXTENSION = "fused_weight_gradient_mlp_cuda"
 APEX_REAL = "apex real"  # apex's own extension imported: nothing to provide
+REPLACE = "replace"  # GEMM_PATCH_APEX=replace: the stand-in goes over a real apex too
+REPLACED_REAL = "apex real, replaced"  # how the reason starts when it did
 _MARKER = "__gemm_patch_stand_in__"
 
 
@@ -58,6 +68,7 @@ def is_stand_in(obj: object) -> bool:
 # status()'s one word on apex (JSON "apex"), and what it means.
 APEX_WORDS = {
     "real": "apex's fused_weight_gradient_mlp_cuda is real and used untouched",
+    "replaced": "apex's fused_weight_gradient_mlp_cuda is real but replaced by gemm_patch's (GEMM_PATCH_APEX=replace)",
     "provided": "provided by gemm_patch (apex's fused_weight_gradient_mlp_cuda is missing)",
     "off": "not provided (GEMM_PATCH_APEX=0, or gemm_patch reverted or not applied)",
     "missing": "missing and not provided (see the apex-wgrad target)",
@@ -66,18 +77,27 @@ APEX_WORDS = {
 
 
 def apex_word(st: TargetStatus | None) -> str:
-    """``real``, ``provided``, ``off``, ``missing`` or ``unknown``, from the apex-wgrad state."""
+    """``real``, ``replaced``, ``provided``, ``off``, ``missing`` or ``unknown``, from the
+    apex-wgrad state."""
     if st is None or st.state == PENDING:
         return "unknown"
     if st.state == APEX_REAL:
         return "real"
     if st.state in PATCHED_STATES:
-        return "provided"
+        return "replaced" if st.reason.startswith(REPLACED_REAL) else "provided"
     if st.state == OFF:
         return "off"
     if st.state == NOT_APPLICABLE and st.version is None:
         return "unknown"  # megatron-core not installed
     return "missing"
+
+
+# GEMM_PATCH_APEX=replace for the patch() in progress (precheck and inspect receive no config).
+_replacing: contextvars.ContextVar[bool] = contextvars.ContextVar("gemm_patch_apex_replace", default=False)
+
+
+def _real(obj: object) -> bool:
+    return obj is not None and not is_stand_in(obj)
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -86,15 +106,27 @@ class ApexWgradTarget(Target):
     flag: str
     calls: tuple[str, ...]
 
+    @property
+    def options(self) -> dict[str, bool | Named]:
+        # Its own switch again, with the named value it accepts beside 0/1 (config.Named).
+        return {self.switch_variable: Named(default=self.default_on, values=(REPLACE,))}
+
+    def patch(self, module: types.ModuleType, version: str | None, cfg: Any) -> tuple[TargetStatus, Undo]:
+        token = _replacing.set(cfg.choice(self.switch_variable) == REPLACE)
+        try:
+            return super().patch(module, version, cfg)
+        finally:
+            _replacing.reset(token)
+
     def precheck(self, module: types.ModuleType) -> tuple[str, str] | None:
+        if _replacing.get():
+            return None  # a real extension, wherever it sits, is replaced
         ext, where = self.extension, module.__name__
-        present = vars(module).get(ext)
-        if present is not None and not is_stand_in(present):
+        if _real(vars(module).get(ext)):
             return APEX_REAL, f"apex's {ext} was imported by {where}; used untouched"
-        elsewhere = sys.modules.get(ext)
-        if elsewhere is not None and not is_stand_in(elsewhere):
+        if _real(sys.modules.get(ext)):
             return SKIPPED, (f"{ext} was imported after {where} (which found none); left alone: a real "
-                             "extension is never shadowed")
+                             "extension is never shadowed (GEMM_PATCH_APEX=replace replaces it)")
         return None
 
     def inspect(self, module: types.ModuleType) -> Inspection:
@@ -106,11 +138,17 @@ class ApexWgradTarget(Target):
         if not usage.calls:
             return Inspection(usage.fingerprint, False,
                               f"{where} calls none of {self.extension}.{{{', '.join(self.calls)}}}")
-        provided = f"apex missing: {self.extension}.{{{', '.join(usage.call_names)}}} provided by gemm_patch"
+        functions = f"{self.extension}.{{{', '.join(usage.call_names)}}}"
+        if _replacing.get() and (_real(vars(module).get(self.extension)) or _real(sys.modules.get(self.extension))):
+            replaced = f"{REPLACED_REAL}: {functions} routed through gemm_patch ({self.switch_variable}={REPLACE})"
+            return Inspection(usage.fingerprint, True, replaced, usage)
+        provided = f"apex missing: {functions} provided by gemm_patch"
         return Inspection(usage.fingerprint, True, provided, usage)
 
     def summary_part(self, st: TargetStatus) -> str:
         if st.state in PATCHED_STATES:
+            if st.reason.startswith(REPLACED_REAL):
+                return f"{st.name} replaced apex ({self.switch_variable}={REPLACE}; {st.state})"
             return f"{st.name} provided (apex missing; {st.state})"
         if st.state == APEX_REAL:
             return f"{st.name} idle (apex real)"
@@ -132,7 +170,8 @@ TARGET = ApexWgradTarget(
     module="megatron.core.tensor_parallel.layers",
     switch="GEMM_PATCH_APEX",
     relies_on="apex usage",
-    extra_states={APEX_REAL: "apex's own extension is imported and used untouched"},
+    extra_states={APEX_REAL: "apex's own extension is imported and used untouched "
+                             "(GEMM_PATCH_APEX=replace routes it through gemm_patch)"},
     extension=EXTENSION,
     flag="_grad_accum_fusion_available",
     calls=("wgrad_gemm_accum_fp32", "wgrad_gemm_accum_fp16"),

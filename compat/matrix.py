@@ -11,7 +11,9 @@ follows from the target's fingerprint table (``Target.expected_state``), for eve
 ``gemm_patch.targets.REGISTRY`` whose ``distribution`` is the release's component. A child
 interpreter runs the component's tests against the release (expectations in
 ``GEMM_PATCH_MATRIX_EXPECT``, JSON ``{target: state}``), then a fresh one imports gemm_patch and
-the targets' modules and reports ``gemm_patch.status()``.
+the targets' modules and reports ``gemm_patch.status()``. The release is the only megatron a
+child sees: compat/isolate, first on its PYTHONPATH, hides a megatron-core or megatron-fsdp
+installed in the interpreter's own site-packages (``release_env``).
 
 Python: a release whose Requires-Python is above this interpreter (megatron-core >= 0.17 needs
 3.12) runs in a venv of a matching interpreter (``python3.12`` on PATH or under pyenv) built once
@@ -56,6 +58,8 @@ CACHE = ROOT / "compat" / ".cache"
 MATRIX_FILE = ROOT / "compat" / "matrix.json"
 REPORT = ROOT / "compat" / "COMPATIBILITY.md"
 CACHE_REPORT = CACHE / "matrix-report.md"
+# On a child's PYTHONPATH: its sitecustomize hides the interpreter's own megatron (release_env).
+ISOLATE = ROOT / "compat" / "isolate"
 JOBS = int(os.environ.get("GEMM_PATCH_MATRIX_JOBS", "2"))
 CHILD_TIMEOUT = 1200  # seconds for one release's tests
 # The test dependencies a venv for another interpreter gets besides torch (gemm_patch itself
@@ -246,17 +250,29 @@ def release_env(release: Release | str, interpreter: Interpreter = HERE) -> dict
     """Environment for a child interpreter that imports this release and gemm_patch from the
     source tree, with the expected states in GEMM_PATCH_MATRIX_EXPECT (a caller's own
     GEMM_PATCH_* settings are dropped). A bare version means that release of the matrix, run
-    by this interpreter."""
+    by this interpreter.
+
+    The release is the only megatron the child sees: compat/isolate (its ``sitecustomize``)
+    comes first on PYTHONPATH and hides any megatron-core or megatron-fsdp of the
+    interpreter's own site-packages, from ``import`` and from ``importlib.metadata`` alike (a
+    venv with megatron-core installed, as the README's demo makes, would otherwise leak it into
+    every release's tests), and the caller's PYTHONPATH entries that hold one are dropped."""
     if isinstance(release, str):
         release = select([release])[0]
     env = {k: v for k, v in os.environ.items() if not k.startswith("GEMM_PATCH")}
-    path = [str(ensure_release(release, interpreter)), str(ROOT)]
-    if env.get("PYTHONPATH"):
-        path.append(env["PYTHONPATH"])
+    path = [str(ISOLATE), str(ensure_release(release, interpreter)), str(ROOT)]
+    path += [entry for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry and not holds_megatron(entry)]
     env["PYTHONPATH"] = os.pathsep.join(path)
     env["GEMM_PATCH_MATRIX_EXPECT"] = json.dumps(expected_states(release))
     env["PYTHONWARNINGS"] = "ignore"
     return env
+
+
+def holds_megatron(entry: str) -> bool:
+    """Whether a sys.path entry holds a megatron package or distribution of its own."""
+    folder = Path(entry)
+    return any((folder / name).exists() or any(folder.glob(f"{name}-*.dist-info"))
+               for name in ("megatron", "megatron_core", "megatron_fsdp"))
 
 
 # Run in the child after the tests: a fresh process imports gemm_patch, then each target's

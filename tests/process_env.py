@@ -20,6 +20,10 @@ MEGATRON_RELEASE = "0.17.1"
 sys.path.insert(0, str(ROOT / "compat"))
 import matrix  # noqa: E402
 
+# On a child's PYTHONPATH (first): its sitecustomize hides the megatron of the interpreter's own
+# site-packages, so the child imports megatron only from the entries after it.
+ISOLATE = matrix.ISOLATE
+
 
 def gemm_patch_command() -> list[str]:
     """The installed console script, as a user runs it (``python -m gemm_patch`` without one)."""
@@ -30,7 +34,10 @@ def gemm_patch_command() -> list[str]:
 def clean_env(megatron: bool = False, **variables: str) -> dict[str, str]:
     """os.environ without any GEMM_PATCH_* setting of the caller's, this interpreter's bin
     first on PATH (so ``python`` is it), gemm_patch importable from the source tree, and, with
-    ``megatron``, the test release on PYTHONPATH too."""
+    ``megatron``, the test release on PYTHONPATH too: then the release is the only megatron the
+    process can import (compat/isolate hides one of this interpreter's site-packages, where a
+    user's venv may hold megatron-core). A test that needs megatron absent says so with
+    without_installed_megatron."""
     base = matrix.release_env(MEGATRON_RELEASE) if megatron else dict(os.environ)
     env = {k: v for k, v in base.items() if not k.startswith("GEMM_PATCH")}
     if not megatron:
@@ -39,6 +46,15 @@ def clean_env(megatron: bool = False, **variables: str) -> dict[str, str]:
     env["PYTHONWARNINGS"] = "ignore"
     env.update(variables)
     return env
+
+
+def without_installed_megatron(env: dict[str, str], *path: str) -> dict[str, str]:
+    """``env`` with PYTHONPATH = compat/isolate, then ``path``, then the entries of its own
+    PYTHONPATH that hold no megatron: the process imports megatron-core and megatron-fsdp only
+    from ``path`` (or from entries it adds itself), not from the site-packages of its interpreter."""
+    own = [entry for entry in env.get("PYTHONPATH", "").split(os.pathsep)
+           if entry and entry != str(ISOLATE) and not matrix.holds_megatron(entry)]
+    return {**env, "PYTHONPATH": os.pathsep.join([str(ISOLATE), *path, *own])}
 
 
 def free_port() -> int:

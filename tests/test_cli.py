@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from process_env import ROOT, clean_env, gemm_patch_command
+from process_env import ISOLATE, ROOT, clean_env, gemm_patch_command, without_installed_megatron
 
 # Releases without Megatron-FSDP's fused wgrad call: 0.13.1 is in the support table (the apex
 # path only); 0.12.3, the last 0.12, is older than the table.
@@ -42,8 +42,9 @@ def install(version: str) -> Path:
 
 
 def env_for(*path: Path | str, **variables: str) -> dict[str, str]:
+    """megatron from ``path`` only (ISOLATE hides any of the interpreter's site-packages)."""
     env = clean_env(**variables)
-    env["PYTHONPATH"] = os.pathsep.join([*map(str, path), str(ROOT)])
+    env["PYTHONPATH"] = os.pathsep.join([str(ISOLATE), *map(str, path), str(ROOT)])
     return env
 
 
@@ -120,7 +121,8 @@ def test_demo_on_unknown_code_exits_1_in_one_line(unverified_release):
 
 
 def test_demo_without_megatron_exits_2_in_one_line():
-    proc = cli("demo")
+    """Also where the venv has megatron-core (as the README's demo installs it): hidden."""
+    proc = cli("demo", env=without_installed_megatron(clean_env()))
     assert proc.returncode == 2
     assert_one_line_end(proc, "gemm-patch demo: needs torch and megatron-core importable")
 

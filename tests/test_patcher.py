@@ -9,11 +9,14 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# First on PYTHONPATH: its sitecustomize hides a megatron installed in the interpreter's
+# site-packages (a venv made by the README's demo has megatron-core), so none is importable.
+ISOLATE = ROOT / "compat" / "isolate"
 
 
 def python(code: str, **variables: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GEMM_PATCH") and k != "PYTHONPATH"}
-    env.update(PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore", **variables)
+    env.update(PYTHONPATH=os.pathsep.join([str(ISOLATE), str(ROOT)]), PYTHONWARNINGS="ignore", **variables)
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
 
 

@@ -214,6 +214,12 @@ def _patch_module(module: types.ModuleType, reexecuted: bool) -> None:
                 continue  # apply() again: still in place
             latest.undo.run()  # replaced by someone else: put back what is still ours, patch anew
             installs.pop()
+        elif (latest is not None and reexecuted and not _assigns_on(module, latest.undo)
+              and target.in_place(module, latest.undo) is None):
+            # Its objects live in modules that did not run again (one-rank-scale patches the
+            # buffers module, triggered by the main one): still in place, now for this module.
+            latest.module = module
+            continue
         for install in installs:
             install.superseded = True
         try:
@@ -227,12 +233,33 @@ def _patch_module(module: types.ModuleType, reexecuted: bool) -> None:
             st, undo = TargetStatus(target.name, target.module, SKIPPED,
                                     f"internal error while patching: {type(exc).__name__}: {exc}", version), Undo()
         if undo.steps:
+            _inherit_originals(undo, installs)
             installs.append(_Install(module, undo))
         _state.statuses[target.name] = st
         done.append((target, st))
     if done:
         _state.summary.record(_components.get(module.__name__.split(".")[0], "megatron-core"), version,
                               done, _backend_summary())
+
+
+def _inherit_originals(undo: Undo, earlier: list[_Install]) -> None:
+    """A module executed again while an earlier install was in place may have taken gemm_patch's
+    object as its own (apex's stand-in, imported from sys.modules, and the flag it sets): what
+    revert() puts back there is what the earlier install replaced, never gemm_patch's object."""
+    for i, (owner, name, original, existed, installed, is_item) in enumerate(undo.steps):
+        for install in earlier:
+            match = next((step for step in install.undo.steps
+                          if step[1] == name and step[5] == is_item and existed and original is step[4]), None)
+            if match is not None:
+                undo.steps[i] = (owner, name, match[2], match[3], installed, is_item)
+                break
+
+
+def _assigns_on(module: types.ModuleType, undo: Undo) -> bool:
+    """Whether an install assigned anything on ``module`` (or an earlier object of that name) or
+    on a class it defines."""
+    return any((owner.__name__ if isinstance(owner, types.ModuleType) else getattr(owner, "__module__", None))
+               == module.__name__ for owner, *_ in undo.steps)
 
 
 def _distribution_version(module: types.ModuleType) -> str | None:

@@ -1,0 +1,383 @@
+"""The contract every registered target honours, whatever it patches (after ddtrace's
+``PatchTestCase``): a new target in ``gemm_patch.targets.REGISTRY`` gets these tests for free,
+against every release of its component (tests/megatron/test_contract.py,
+tests/megatron_fsdp/test_contract.py).
+
+Each check runs in this process, on the release's real module, with only the target under test
+applied (every other one listed in ``GEMM_PATCH_DISABLE``), so that what changed is the target's
+own doing. "What changed" is read from shallow snapshots: ``vars()`` of every module of the
+target's package that is imported, and of the classes defined there, compared by identity.
+Where the target is expected patched, what changed must be exactly the places its install
+recorded (``Undo`` steps); where it is not applicable (``Target.expected_state``), nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import json
+import os
+import subprocess
+import sys
+import types
+from collections.abc import Iterator
+from functools import cache
+from typing import Any
+
+import pytest
+
+import gemm_patch
+from gemm_patch import patcher
+from gemm_patch.target import NOT_APPLICABLE, OFF, PATCHED_STATES, REPLACED, UNVERIFIED, Target
+from gemm_patch.targets import REGISTRY
+
+IGNORED = frozenset({"__warningregistry__"})
+
+
+def targets_of(component: str) -> list[Target]:
+    return [t for t in REGISTRY if t.distribution == component]
+
+
+def params(component: str) -> list:
+    return [pytest.param(t, id=t.name) for t in targets_of(component)]
+
+
+def state_of(name: str):
+    return {t.name: t for t in gemm_patch.status().targets}[name]
+
+
+# -- snapshots ----------------------------------------------------------------------------------
+
+def scope_modules(target: Target) -> list[types.ModuleType]:
+    """The imported modules of the target's package (its module and its siblings)."""
+    package = target.module.rpartition(".")[0]
+    return [m for name, m in list(sys.modules.items())
+            if isinstance(m, types.ModuleType) and (name == package or name.startswith(package + "."))]
+
+
+class Snapshot:
+    """Identity of every value in ``vars()`` of ``modules`` and of the classes they define."""
+
+    def __init__(self, modules: list[types.ModuleType]) -> None:
+        names = {m.__name__ for m in modules}
+        owners: dict[int, Any] = {}
+        for module in modules:
+            owners[id(module)] = module
+            for value in list(vars(module).values()):
+                if isinstance(value, type) and getattr(value, "__module__", None) in names:
+                    owners[id(value)] = value
+        self.owners = owners  # held, so that the ids stay valid
+        self.values = self._read()
+
+    def _read(self) -> dict[tuple[int, str], Any]:
+        # Submodules bound on their package change on a re-import: not a patch.
+        return {(id(o), k): v for o in self.owners.values() for k, v in list(vars(o).items())
+                if k not in IGNORED and not isinstance(v, types.ModuleType)}
+
+    def changed(self) -> set[tuple[int, str]]:
+        """The places whose value is no longer the same object as at the snapshot."""
+        now = self._read()
+        return {key for key in self.values.keys() | now.keys()
+                if key not in self.values or key not in now or self.values[key] is not now[key]}
+
+
+def describe(places: set[tuple[int, str]], snapshot: Snapshot) -> list[str]:
+    return sorted(f"{getattr(snapshot.owners.get(i), '__qualname__', getattr(snapshot.owners.get(i), '__name__', i))}"
+                  f".{name}" for i, name in places)
+
+
+def steps(target: Target) -> list[tuple]:
+    """Every recorded assignment of the target's installs (owner, name, original, existed,
+    installed, is_item), oldest install first."""
+    return [step for install in patcher._state.installs.get(target.name, []) for step in install.undo.steps]
+
+
+def places(steps_: list[tuple]) -> set[tuple[int, str]]:
+    return {(id(owner), name) for owner, name, *_, is_item in steps_ if not is_item}
+
+
+def current(owner: Any, name: str, is_item: bool) -> Any:
+    return owner.get(name, _ABSENT) if is_item else vars(owner).get(name, _ABSENT)
+
+
+_ABSENT = object()
+
+
+def holds_installed(steps_: list[tuple]) -> list[str]:
+    """The places that still hold what gemm_patch installed there."""
+    return [f"{getattr(owner, '__qualname__', getattr(owner, '__name__', 'sys.modules'))}.{name}"
+            for owner, name, _, _, installed, is_item in steps_ if current(owner, name, is_item) is installed]
+
+
+def lost(steps_: list[tuple]) -> list[str]:
+    """The places that no longer hold what gemm_patch installed there."""
+    return [f"{getattr(owner, '__qualname__', getattr(owner, '__name__', 'sys.modules'))}.{name}"
+            for owner, name, _, _, installed, is_item in steps_ if current(owner, name, is_item) is not installed]
+
+
+# -- the configuration under test -----------------------------------------------------------------
+
+@contextlib.contextmanager
+def environ(**variables: str | None) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in variables}
+    for k, v in variables.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
+def only(target: Target, registry: tuple[Target, ...] | None = None) -> Iterator[None]:
+    """Everything reverted, then (on entry) nothing applied and every target but ``target``
+    left out through GEMM_PATCH_DISABLE; on exit the registry, the variable and every patch as
+    they were (all applied)."""
+    gemm_patch.revert()
+    others = ",".join(t.name for t in REGISTRY if t.name != target.name)
+    try:
+        with environ(GEMM_PATCH_DISABLE=others):
+            if registry is not None:
+                patcher.use_targets(registry)
+            yield
+    finally:
+        gemm_patch.revert()
+        patcher.use_targets(REGISTRY)
+        gemm_patch.apply()
+
+
+def import_module(target: Target) -> types.ModuleType | None:
+    try:
+        return importlib.import_module(target.module)
+    except ImportError:
+        return None
+
+
+def patched(expect: str) -> bool:
+    return expect in PATCHED_STATES
+
+
+# -- the checks ------------------------------------------------------------------------------------
+
+IMPORT_ORDER = """
+import importlib, json, sys
+order, modules = sys.argv[1], sys.argv[2].split(",")
+def import_targets():
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+if order == "module first":
+    import_targets()
+import gemm_patch
+from gemm_patch import patcher
+import_targets()
+found = {}
+for target in patcher.targets():
+    installs = patcher._state.installs.get(target.name) or []
+    live = sys.modules.get(target.module)
+    found[target.name] = {
+        "state": {t.name: t.state for t in gemm_patch.status().targets}[target.name],
+        "on_live_module": bool(installs) and installs[-1].module is live
+                          and target.in_place(live, installs[-1].undo) is None,
+    }
+print("CONTRACT", json.dumps(found))
+"""
+
+
+@cache
+def import_order_run(order: str, modules: tuple[str, ...]) -> dict[str, dict]:
+    """A fresh interpreter imports the target modules before or after ``import gemm_patch``
+    (one run per order and component, shared by every target)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GEMM_PATCH") or k == "GEMM_PATCH_MATRIX_EXPECT"}
+    out = subprocess.run([sys.executable, "-c", IMPORT_ORDER, order, ",".join(modules)],
+                         capture_output=True, text=True, env=env, timeout=300)
+    line = next((line for line in out.stdout.splitlines() if line.startswith("CONTRACT ")), None)
+    assert out.returncode == 0 and line, out.stderr[-3000:]
+    return json.loads(line[len("CONTRACT "):])
+
+
+def check_import_order(target: Target, expect: str, order: str, component: str) -> None:
+    modules = tuple(sorted({t.module for t in targets_of(component)}))
+    found = import_order_run(order, modules)[target.name]
+    assert found["state"] == expect, found
+    assert found["on_live_module"] == patched(expect), found
+
+
+def check_apply_revert_apply(target: Target, expect: str) -> None:
+    with only(target):
+        module = import_module(target)
+        before = Snapshot(scope_modules(target))
+        gemm_patch.apply()
+        assert state_of(target.name).state == expect, state_of(target.name).reason
+        recorded = steps(target)
+        changed = before.changed()
+        if not patched(expect):
+            assert not recorded and not changed, describe(changed, before)
+            return
+        assert module is not None and recorded
+        in_scope = {p for p in places(recorded) if p[0] in before.owners}
+        assert changed and changed == in_scope, (describe(changed, before), describe(in_scope, before))
+        if hasattr(target, "where"):
+            owner = vars(sys.modules[getattr(target, "buffers_module", target.module)])[target.owner]
+            assert (id(owner), target.attribute) in changed, f"{target.where} is not what changed"
+
+        gemm_patch.revert()
+        assert state_of(target.name).state == OFF
+        assert not before.changed(), f"after revert(): {describe(before.changed(), before)}"
+        assert not holds_installed(recorded)
+
+        gemm_patch.apply()
+        assert state_of(target.name).state == expect
+        assert before.changed() == changed, "apply() after revert() patches the same places"
+        assert not lost(steps(target))
+
+
+def check_reload(target: Target, expect: str) -> None:
+    with only(target):
+        module = import_module(target)
+        if module is None:
+            pytest.skip(f"no module {target.module} in this release")
+        gemm_patch.apply()
+        original = dict(vars(module))  # patched contents, put back (reverted) afterwards
+        gemm_patch.revert()
+        unpatched = dict(vars(module))
+        gemm_patch.apply()
+        try:
+            assert importlib.reload(module) is module
+            assert state_of(target.name).state == expect, state_of(target.name).reason
+            if patched(expect):
+                latest = patcher._state.installs[target.name][-1]
+                assert latest.module is module and target.in_place(module, latest.undo) is None
+                assert not lost(latest.undo.steps)
+                recorded = steps(target)
+                gemm_patch.revert()
+                assert not holds_installed(recorded), "revert() restores what the reload made too"
+            else:
+                assert not steps(target)
+        finally:
+            gemm_patch.revert()
+            vars(module).clear()
+            vars(module).update(unpatched)
+            del original
+
+
+def check_reimport(target: Target, expect: str) -> None:
+    """``del sys.modules[name]`` and a fresh import: the new module is patched, and so is the
+    old module object (megatron's code may hold it, or objects from it)."""
+    with only(target):
+        old = import_module(target)
+        if old is None:
+            pytest.skip(f"no module {target.module} in this release")
+        parent_name, _, short = target.module.rpartition(".")
+        parent = sys.modules.get(parent_name)
+        before_old = Snapshot(scope_modules(target))
+        gemm_patch.apply()
+        old_steps = steps(target)
+        del sys.modules[target.module]
+        try:
+            new = importlib.import_module(target.module)
+            assert new is not old
+            assert state_of(target.name).state == expect, state_of(target.name).reason
+            if not patched(expect):
+                assert not steps(target) and not before_old.changed()
+                return
+            installs = patcher._state.installs[target.name]
+            assert installs[-1].module is new and target.in_place(new, installs[-1].undo) is None
+            assert not lost(old_steps), "the old module object keeps gemm_patch's objects"
+            assert not lost(installs[-1].undo.steps)
+            all_steps = steps(target)
+            gemm_patch.revert()
+            assert not before_old.changed(), f"old module after revert(): {describe(before_old.changed(), before_old)}"
+            assert not holds_installed(all_steps), "revert() restores the old and the new module"
+            stand_ins = [f"{short}.{k}" for k, v in vars(new).items() if getattr(v, "__gemm_patch_stand_in__", False)]
+            assert not stand_ins, f"the new module keeps gemm_patch objects after revert(): {stand_ins}"
+        finally:
+            gemm_patch.revert()
+            sys.modules[target.module] = old
+            if parent is not None:
+                setattr(parent, short, old)
+
+
+def check_replaced(target: Target, expect: str) -> None:
+    if not patched(expect):
+        pytest.skip(f"{target.name} is {expect} here: nothing installed to replace")
+    with only(target):
+        import_module(target)
+        gemm_patch.apply()
+        owner, name, original, existed, installed, _ = next(s for s in steps(target) if not s[-1])
+        foreign = types.SimpleNamespace(put_there_by="someone else")
+        setattr(owner, name, foreign)
+        try:
+            st = state_of(target.name)
+            assert st.state == REPLACED, st.reason
+            reverted = gemm_patch.revert()
+            assert vars(owner)[name] is foreign, "revert() leaves another's object where it is"
+            assert {t.name: t for t in reverted.targets}[target.name].state == REPLACED
+        finally:
+            if existed:
+                setattr(owner, name, original)
+            else:
+                delattr(owner, name)
+
+
+def check_unknown_code(target: Target, expect: str, strict: bool) -> None:
+    unknown = tuple(dataclasses.replace(t, fingerprints={}) if t.name == target.name else t for t in REGISTRY)
+    with only(target, registry=unknown):
+        import_module(target)
+        before = Snapshot(scope_modules(target))
+        if strict and patched(expect):
+            with pytest.raises(gemm_patch.GemmPatchError):
+                gemm_patch.apply(strict=True)
+        else:
+            gemm_patch.apply(strict=strict)
+            want = UNVERIFIED if patched(expect) else NOT_APPLICABLE
+            assert state_of(target.name).state == want, state_of(target.name).reason
+        assert not before.changed(), describe(before.changed(), before)
+        assert not steps(target)
+
+
+def check_disable(target: Target, expect: str) -> None:
+    gemm_patch.revert()
+    try:
+        module = import_module(target)
+        before = Snapshot(scope_modules(target))
+        with environ(GEMM_PATCH_DISABLE=target.name):
+            gemm_patch.apply()
+            st = state_of(target.name)
+            if module is None:
+                assert st.state == NOT_APPLICABLE, st.reason
+            else:
+                assert st.state == OFF and "GEMM_PATCH_DISABLE" in st.reason, st.reason
+            assert not steps(target)
+            others = {p for t in REGISTRY if t is not target for p in places(steps(t))}
+            assert before.changed() <= others, describe(before.changed() - others, before)
+    finally:
+        gemm_patch.revert()
+        gemm_patch.apply()
+
+
+def check_not_applicable(target: Target, expect: str) -> None:
+    if expect != NOT_APPLICABLE:
+        pytest.skip(f"{target.name} is {expect} here")
+    gemm_patch.revert()
+    try:
+        import_module(target)
+        before = Snapshot(scope_modules(target))
+        gemm_patch.apply()
+        assert state_of(target.name).state == NOT_APPLICABLE, state_of(target.name).reason
+        assert not steps(target)
+        others = {p for t in REGISTRY if t is not target for p in places(steps(t))}
+        assert before.changed() <= others, describe(before.changed() - others, before)
+    finally:
+        gemm_patch.revert()
+        gemm_patch.apply()

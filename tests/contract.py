@@ -73,7 +73,8 @@ class Snapshot:
     def _read(self) -> dict[tuple[int, str], Any]:
         # Submodules bound on their package change on a re-import: not a patch.
         return {(id(o), k): v for o in self.owners.values() for k, v in list(vars(o).items())
-                if k not in IGNORED and not isinstance(v, types.ModuleType)}
+                if k not in IGNORED and not (isinstance(v, types.ModuleType)
+                                             and v.__name__ == f"{getattr(o, '__name__', '')}.{k}")}
 
     def changed(self) -> set[tuple[int, str]]:
         """The places whose value is no longer the same object as at the snapshot."""

@@ -221,7 +221,8 @@ def test_each_module_with_a_patch_gets_its_own_info_line_whatever_came_first(mon
         report.log.setLevel(old_level)
     info = [r.getMessage() for r in records if r.levelno == logging.INFO]
     assert len(info) == 3, info
-    assert info[0] == "megatron-core 0.17.1: fsdp-wgrad verified, apex-wgrad provided (apex missing; verified); backends x"
+    assert info[0] == ("megatron-core 0.17.1: fsdp-wgrad verified, apex-wgrad provided (apex missing; verified); "
+                       "backends x")
     assert info[1] == ("megatron-core 0.17.1: fsdp-te-overwrite verified, fsdp-shared-grad verified, "
                        "fsdp-one-rank-scale verified")
     assert info[2] == "megatron-fsdp 0.6.1: mfsdp-te-overwrite verified"

@@ -79,6 +79,6 @@ def test_every_parameter_matches_fp64_autograd(parallel, shared_on, tied, mtp, d
 
 def test_the_hook_is_found_where_expected():
     """megatron-core 0.16+ (megatron-fsdp 0.3+) have the hook: the test above runs there."""
-    for name, (target, module) in MODULES.items():
+    for name, (_target, module) in MODULES.items():
         if name in TESTED and "fine_grained_param_gather" in inspect.getsource(module.MegatronFSDP):
             assert name in HOOKED, name

@@ -11,8 +11,8 @@ from __future__ import annotations
 import importlib
 import sys
 
-import pytest
 import megatron_cpu
+import pytest
 from conftest import APPLICABLE, torch
 
 import gemm_patch
@@ -124,7 +124,8 @@ def test_old_references_keep_the_fix(fresh_import, cpu_dummy_wgrad, main_dtype):
     weight, gbuf = megatron_fsdp_param(40, 32, dtype)
     total = through_function(function, weight)
     got = gbuf.data.view(weight.shape)
-    assert rel(got, total) < bound, f"the held function: main_grad off the {MICRO_BATCHES} micro-batches' sum by {rel(got, total):.3f}"
+    assert rel(got, total) < bound, \
+        f"the held function: main_grad off the {MICRO_BATCHES} micro-batches' sum by {rel(got, total):.3f}"
 
     with megatron_cpu.model_parallel():
         layer = column_class(64, 80, config=megatron_cpu.config(), init_method=torch.nn.init.xavier_normal_,

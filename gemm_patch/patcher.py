@@ -83,7 +83,9 @@ def targets() -> tuple[Target, ...]:
 
 
 def _switches() -> dict[str, bool]:
-    return {name: on for t in _targets for name, on in ((t.switch_variable, t.default_on), *t.options.items())}
+    own = {t.switch_variable: config.Named(t.default_on, t.switch_values) if t.switch_values else t.default_on
+           for t in _targets}
+    return {**own, **{name: on for t in _targets for name, on in t.options.items()}}
 
 
 def load_config() -> config.Config:

@@ -157,6 +157,7 @@ class Target:
     fingerprints: Mapping[str, str]  # public release -> fingerprint of the code relied on
     switch: str = ""  # the variable that turns this target off; "" derives GEMM_PATCH_<NAME>
     default_on: bool = True  # False: opt-in, the variable must be set to 1
+    switch_values: tuple[str, ...] = ()  # named values the variable accepts beside 0/1 (``Config.choice``)
     relies_on: str = "code"  # what the fingerprint covers, in reasons
 
     # States of this target's own beyond the common ones (state -> meaning), and whether each

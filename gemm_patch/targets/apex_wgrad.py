@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..apex_analysis import find_apex_usage
-from ..config import Named
 from ..target import NOT_APPLICABLE, OFF, PATCHED_STATES, PENDING, SKIPPED, Inspection, Target, TargetStatus, Undo
 
 EXTENSION = "fused_weight_gradient_mlp_cuda"
@@ -106,11 +105,6 @@ class ApexWgradTarget(Target):
     flag: str
     calls: tuple[str, ...]
 
-    @property
-    def options(self) -> dict[str, bool | Named]:
-        # Its own switch again, with the named value it accepts beside 0/1 (config.Named).
-        return {self.switch_variable: Named(default=self.default_on, values=(REPLACE,))}
-
     def patch(self, module: types.ModuleType, version: str | None, cfg: Any) -> tuple[TargetStatus, Undo]:
         token = _replacing.set(cfg.choice(self.switch_variable) == REPLACE)
         try:
@@ -169,6 +163,7 @@ TARGET = ApexWgradTarget(
     distribution="megatron-core",
     module="megatron.core.tensor_parallel.layers",
     switch="GEMM_PATCH_APEX",
+    switch_values=(REPLACE,),
     relies_on="apex usage",
     extra_states={APEX_REAL: "apex's own extension is imported and used untouched "
                              "(GEMM_PATCH_APEX=replace routes it through gemm_patch)"},

@@ -55,7 +55,7 @@ def test_gemm_patch_0_reads_nothing_else():
 
 
 def test_the_target_declares_it_and_the_patcher_reads_it(monkeypatch):
-    assert APEX_WGRAD.switch_values == SPEC.values and APEX_WGRAD.default_on == SPEC.default
+    assert APEX_WGRAD.switch_values == SPEC[VAR].values and APEX_WGRAD.default_on == SPEC[VAR].default
     monkeypatch.setenv(VAR, "replace")
     assert patcher.load_config().choice(VAR) == "replace"
     monkeypatch.setenv(VAR, "1")

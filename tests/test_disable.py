@@ -1,4 +1,5 @@
-"""GEMM_PATCH_DISABLE through the entry points, with a real megatron-core release: the listed
+"""GEMM_PATCH_DISABLE through the three entry points (``import gemm_patch``, ``gemm-patch run``,
+``GEMM_PATCH_AUTO=1`` with the installed wheel's .pth), with a real megatron-core release: the listed
 targets read ``off`` (naming the variable) and megatron's objects stay the originals, the others
 are patched; an unknown name is one ERROR line and nothing patched; ``gemm-patch status``
 exits 1 naming the variable."""
@@ -9,7 +10,13 @@ import json
 import subprocess
 import sys
 
+import pytest
 from process_env import clean_env, gemm_patch_command
+
+pytest.register_assert_rewrite("wheel_venvs")  # a plugin (pytest_plugins), imported here first
+from wheel_venvs import env_for, run  # noqa: E402
+
+pytest_plugins = ["wheel_venvs"]  # ``venvs``: the wheel installed in a fresh venv, built once per test run
 
 REPORT = """
 import json, megatron.core.tensor_parallel.layers as L, gemm_patch
@@ -50,6 +57,17 @@ def test_gemm_patch_run():
     out = subprocess.run([*gemm_patch_command(), "run", "--", "python", "-c", REPORT],
                          capture_output=True, text=True, env=env, timeout=300)
     assert_left_out(report(out))
+
+
+def test_auto_pth(venvs, tmp_path):
+    """The wheel's start-up hook applies on megatron's first import; the listed targets stay off."""
+    env = env_for(megatron=True, GEMM_PATCH_AUTO="1", GEMM_PATCH_DISABLE="fsdp-wgrad,apex-wgrad")
+    code = REPORT + "print('FILE', gemm_patch.__file__, gemm_patch.status().applied)\n"
+    out = run(venvs[0], ["-c", code], env, tmp_path)
+    found = report(out)
+    assert_left_out(found)
+    _, file, applied = next(line for line in out.stdout.splitlines() if line.startswith("FILE ")).split()
+    assert applied == "True" and file.startswith(str(venvs[0].parent.parent)), "applied by the wheel's hook"
 
 
 def test_unknown_name_is_one_error_and_nothing_patched():

@@ -1,0 +1,73 @@
+"""validation/convergence/plot.py draws validation/convergence/results.json's convergence runs
+(a small fixture here); parse_logs.py reads pretrain_gpt.py's log lines into those records."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+CONV = Path(__file__).resolve().parents[2] / "validation" / "convergence"
+sys.path.insert(0, str(CONV))
+import parse_logs  # noqa: E402
+import plot  # noqa: E402
+
+FIXTURE = {"runs": [
+    {"release": "0.17.1", "mode": "convergence", "config": "patched", "seed": 1234,
+     "val_loss": {"100": 2.3, "200": 2.0}},
+    {"release": "0.17.1", "mode": "convergence", "config": "fusion_off", "seed": 1235,
+     "val_loss": {"100": 2.35, "200": 2.05}},
+    {"release": "0.17.1", "mode": "convergence", "config": "unpatched", "seed": 1234, "val_loss": {}},
+    {"release": "0.17.1", "mode": "convergence", "config": "dry", "seed": 1234, "val_loss": {"10": 3.0}},
+    {"release": "0.19.2", "mode": "speed", "config": "speed_patched", "seed": 1234, "val_loss": {}},
+]}
+
+
+def _iteration(it: int, ms: float, loss: str) -> str:
+    return (f" [2026-12-01 15:00:00] iteration       {it}/    1000 | consumed samples:          {32 * it} | "
+            f"elapsed time per iteration (ms): {ms} | learning rate: 1.0E-04 | global batch size:    32 | "
+            f"lm loss: {loss} | loss scale: 1.0 |")
+
+
+LOG = "\n".join([
+    "COMMAND: env GEMM_PATCH=0 python3 -m gemm_patch run -- python3 pretrain_gpt.py --seed 1235",
+    _iteration(10, 85.3, "5.123456E+00"),
+    "[Rank 0] (after 10 iterations) memory (MB) | allocated: 100.0 | max allocated: 2048.0 | reserved: 3000.0",
+    _iteration(20, 80.1, "4.9E+00"),
+    " validation loss at iteration 20 | lm loss value: 4.800000E+00 | lm loss PPL: 1.2E+02 |",
+    " validation loss at iteration 20 on validation set | lm loss value: 4.700000E+00 | lm loss PPL: 1.2E+02 |",
+    "[rank0]: RuntimeError: boom",
+    "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:",
+    "EXIT: rc=1 seconds=70",
+]) + "\n"
+
+
+def test_curves_keep_convergence_runs():
+    c = plot.curves(FIXTURE)
+    assert set(c) == {"0.17.1"}
+    labels = [label for label, _, _ in c["0.17.1"]]
+    assert labels == ["patched seed 1234", "fusion_off seed 1235", "unpatched seed 1234"]
+    assert c["0.17.1"][0][2] == [(100, 2.3), (200, 2.0)]
+
+
+def test_plot_writes_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    res = tmp_path / "results.json"
+    res.write_text(json.dumps(FIXTURE))
+    png = tmp_path / "val_loss.png"
+    plot.main(["--results", str(res), "--png", str(png)])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_parse_log():
+    r = parse_logs.parse_log(LOG)
+    assert r["seed"] == 1235 and r["iterations"] == 20
+    assert r["train_loss"] == {"10": 5.123456, "20": 4.9}
+    assert r["val_loss"] == {"20": 4.8} and r["final_val_loss"] == 4.7
+    assert r["step_ms"] == 80.1 and r["peak_gib"] == 2.0
+    assert r["rc"] == 1 and r["error"] == "RuntimeError: boom"
+    assert parse_logs.config_of("fusion_off_seed1235") == ("fusion_off", 1235)
+    assert parse_logs.config_of("speed_patched_r2") == ("speed_patched", None)
+    assert parse_logs.config_of("moe_fusion_off_s1236") == ("moe_fusion_off", 1236)

@@ -259,11 +259,17 @@ def release_env(release: Release | str, interpreter: Interpreter = HERE) -> dict
     every release's tests), and the caller's PYTHONPATH entries that hold one are dropped."""
     if isinstance(release, str):
         release = select([release])[0]
+    return folders_env([ensure_release(release, interpreter)], expected_states(release))
+
+
+def folders_env(folders: Sequence[Path], expected: dict[str, str]) -> dict[str, str]:
+    """``release_env`` for megatron installed in ``folders`` (first on the path after
+    compat/isolate) and the expected states given."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("GEMM_PATCH")}
-    path = [str(ISOLATE), str(ensure_release(release, interpreter)), str(ROOT)]
+    path = [str(ISOLATE), *map(str, folders), str(ROOT)]
     path += [entry for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry and not holds_megatron(entry)]
     env["PYTHONPATH"] = os.pathsep.join(path)
-    env["GEMM_PATCH_MATRIX_EXPECT"] = json.dumps(expected_states(release))
+    env["GEMM_PATCH_MATRIX_EXPECT"] = json.dumps(expected)
     env["PYTHONWARNINGS"] = "ignore"
     return env
 

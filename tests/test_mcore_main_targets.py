@@ -6,7 +6,7 @@ main's megatron-core reports "0.20.0" (plus "+<short hash>" inside a git checkou
 ("main@<8 hex>"), so main reads "compatible" (identical to that commit's code), never "verified"
 for a release that does not exist yet.
 
-main's source is not in this repository. It is prepared once under compat/.cache (untracked):
+main's source is not in this repository. compat/megatron_lm.py prepares it once under compat/.cache (untracked):
 ``megatron/core`` at the pinned commit as ``mcore-main-<8 hex>/`` (a package tree, as
 ``pip install --target`` lays it out; main's optional C++ helper is not needed), and its
 ``megatron_fsdp`` as ``mfsdp-main-<8 hex>/`` with the dist-info metadata pip would write. The
@@ -20,16 +20,11 @@ prints JSON; the tests below read it.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
-import tarfile
-import tempfile
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -37,90 +32,29 @@ import pytest
 from gemm_patch.targets import fsdp_wgrad, megatron_main, one_rank_scale, te_overwrite
 
 ROOT = Path(__file__).resolve().parent.parent
-COMMIT = megatron_main.COMMIT
-SHORT = COMMIT[:8]
-CACHE = ROOT / "compat" / ".cache"
-MCORE = CACHE / f"mcore-main-{SHORT}"
-MFSDP = CACHE / f"mfsdp-main-{SHORT}"
-MARKER = ".gemm_patch_commit"
-TARBALL = f"https://codeload.github.com/NVIDIA/Megatron-LM/tar.gz/{COMMIT}"
-FSDP_SRC = "megatron/core/distributed/fsdp/src/megatron_fsdp"
+sys.path.insert(0, str(ROOT / "compat"))
+import megatron_lm  # noqa: E402
+
+# compat/adopt.py tests another commit's code against main's tables through this variable.
+COMMIT = os.environ.get("GEMM_PATCH_MAIN_COMMIT") or megatron_main.COMMIT
+MCORE, MFSDP = megatron_lm.folders(COMMIT)
 
 MAIN_TARGETS = ("fsdp-wgrad-gemm", "fsdp-te-overwrite-by-strategy", "mfsdp-te-overwrite-by-strategy",
                 "moe-te-overwrite")
 
 
 def test_every_main_target_pins_the_same_commit():
-    assert megatron_main.RELEASE == f"main@{SHORT}"
+    assert megatron_main.RELEASE == f"main@{megatron_main.COMMIT[:8]}"
     for target in (fsdp_wgrad.GEMM_TARGET, te_overwrite.BY_STRATEGY_TARGET, te_overwrite.BY_STRATEGY_STANDALONE,
                    te_overwrite.MOE_TARGET, one_rank_scale.TARGET, one_rank_scale.STANDALONE):
-        assert f"main@{SHORT}" in target.fingerprints
+        assert megatron_main.RELEASE in target.fingerprints
         assert "0.20.0" not in target.fingerprints, "0.20.0 is not released: main is keyed by its commit"
 
 
-# -- main's source ----------------------------------------------------------------------------
-
-def _members(tar: tarfile.TarFile, strip: str):
-    for member in tar:
-        if member.name.startswith(strip) and (member.isfile() or member.isdir()):
-            member.name = member.name[len(strip):]
-            if member.name:
-                yield member
-
-
-def _extract(tar: tarfile.TarFile, into: Path, members) -> None:
-    if hasattr(tarfile, "data_filter"):
-        tar.extractall(into, members=members, filter="data")
-    else:  # Python before 3.10.12 / 3.11.4
-        tar.extractall(into, members=members)
-
-
-def _extract_core(into: Path) -> str | None:
-    """``megatron/core`` at COMMIT into ``into``; None, or why it could not be had."""
-    clone = os.environ.get("GEMM_PATCH_MEGATRON_LM")
-    if clone:
-        out = subprocess.run(["git", "-C", clone, "archive", "--format=tar", COMMIT, "megatron/core"],
-                             capture_output=True, timeout=300)
-        if out.returncode != 0:
-            return f"GEMM_PATCH_MEGATRON_LM={clone}: git archive {SHORT} failed: {out.stderr.decode()[-300:]}"
-        with tarfile.open(fileobj=io.BytesIO(out.stdout)) as tar:
-            _extract(tar, into, _members(tar, ""))
-        return None
-    try:
-        with urllib.request.urlopen(TARBALL, timeout=60) as response, \
-                tarfile.open(fileobj=response, mode="r|gz") as tar:
-            _extract(tar, into, _members(tar, f"Megatron-LM-{COMMIT}/"))
-    except OSError as exc:
-        return (f"Megatron-LM main @ {SHORT} is not available: {TARBALL} unreachable ({exc}); set "
-                "GEMM_PATCH_MEGATRON_LM to a Megatron-LM clone holding that commit")
-    return None
-
+# -- main's source: compat/megatron_lm.py unpacks it ---------------------------------------------
 
 def _prepare() -> str | None:
-    if (MCORE / MARKER).is_file() and (MFSDP / MARKER).is_file():
-        return None
-    CACHE.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
-        staging = Path(tmp) / "src"
-        why = _extract_core(staging)
-        if why:
-            return why
-        if not (staging / "megatron/core/tensor_parallel/layers.py").is_file():
-            return f"Megatron-LM @ {SHORT}: no megatron/core in what was fetched"
-        # megatron-fsdp as ``pip install --target`` lays it out: the package and its dist-info.
-        fsdp = Path(tmp) / "mfsdp"
-        shutil.copytree(staging / FSDP_SRC, fsdp / "megatron_fsdp")
-        info: dict = {}
-        exec((fsdp / "megatron_fsdp/package_info.py").read_text(), info)
-        dist = fsdp / f"megatron_fsdp-{info['__version__']}.dist-info"
-        dist.mkdir()
-        (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: megatron-fsdp\nVersion: {info['__version__']}\n")
-        (dist / "INSTALLER").write_text("gemm_patch tests\n")
-        for tree, target in ((staging, MCORE), (fsdp, MFSDP)):
-            (tree / MARKER).write_text(COMMIT + "\n")
-            shutil.rmtree(target, ignore_errors=True)
-            tree.rename(target)
-    return None
+    return megatron_lm.prepare(COMMIT)
 
 
 # -- the child: every scenario through main's own code ------------------------------------------
@@ -327,7 +261,7 @@ def test_states_on_main(main_run):
     states = {name: state for name, (state, _) in main_run["states"].items()}
     for name in MAIN_TARGETS:
         assert states[name] == "compatible", main_run["states"][name]
-        assert f"main@{SHORT}" in main_run["states"][name][1]
+        assert megatron_main.RELEASE in main_run["states"][name][1]
     # main's reduce code is 0.19.2's: the one-rank scale applies unchanged.
     for name in ("fsdp-one-rank-scale", "mfsdp-one-rank-scale"):
         assert states[name] == "compatible", main_run["states"][name]

@@ -68,7 +68,7 @@ def is_stand_in(obj: object) -> bool:
 APEX_WORDS = {
     "real": "apex's fused_weight_gradient_mlp_cuda is real and used untouched",
     "replaced": "apex's fused_weight_gradient_mlp_cuda is real but replaced by gemm_patch's (GEMM_PATCH_APEX=replace)",
-    "provided": "provided by gemm_patch (apex's fused_weight_gradient_mlp_cuda is missing)",
+    "provided": "apex's fused_weight_gradient_mlp_cuda is missing; gemm_patch stands in for it",
     "off": "not provided (GEMM_PATCH_APEX=0, or gemm_patch reverted or not applied)",
     "missing": "missing and not provided (see the apex-wgrad target)",
     "unknown": "not checked yet (megatron-core's layers module not imported)",

@@ -127,7 +127,7 @@ class OneRankScaleTarget(MethodTarget):
             return Inspection(found, False, f"no `{PREMUL}` in {FUNCTION}")
         check_live_is_source(pgb, self.owner, self.attribute)
         check_live_is_source(pgb, BUFFERS, UPDATE)
-        return Inspection(found, True, f"{FUNCTION}, {self.where}, {BUFFERS}.{UPDATE}")
+        return Inspection(found, True, "the reduce of buffers on one-rank groups")
 
     def install(self, module: types.ModuleType, found: Inspection, undo: Undo, cfg: Any) -> str | None:
         pgb, buffers = self._pgb(), OneRankBuffers()

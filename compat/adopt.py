@@ -349,14 +349,20 @@ def insert_fingerprint(text: str, name: str, key: str, fp: str) -> str:
 
 
 def ensure_main_import(text: str) -> str:
-    """The module imports megatron_main (for a ``megatron_main.RELEASE`` key)."""
+    """The module imports megatron_main (for a ``megatron_main.RELEASE`` key), where isort puts it."""
     if re.search(r"^from \. import .*\bmegatron_main\b", text, re.M):
         return text
     lines = text.splitlines(keepends=True)
-    last = max((i for i, line in enumerate(lines) if line.startswith(("from .", "from .."))), default=None)
-    if last is None:
-        raise ValueError("no relative import to place 'from . import megatron_main' after")
-    return "".join(lines[:last + 1]) + "from . import megatron_main\n" + "".join(lines[last + 1:])
+    for i, line in enumerate(lines):
+        if line.startswith("from . import ") and "(" not in line:
+            names = sorted({*line[len("from . import "):].strip().split(", "), "megatron_main"})
+            lines[i] = f"from . import {', '.join(names)}\n"
+            return "".join(lines)
+    relative = [i for i, line in enumerate(lines) if line.startswith("from .")]
+    if not relative:
+        raise ValueError("no relative import to place 'from . import megatron_main' beside")
+    at = next((i for i in relative if re.match(r"from \.\w", lines[i])), relative[-1] + 1)
+    return "".join(lines[:at]) + "from . import megatron_main\n" + "".join(lines[at:])
 
 
 def _defining_file(target) -> Path:

@@ -87,10 +87,11 @@ def test_unknown_target_is_an_error():
 
 
 def test_main_import_added_once():
-    text = "from __future__ import annotations\n\nfrom ..target import Target\n\nX = 1\n"
+    text = "from __future__ import annotations\n\nfrom ..target import Target\nfrom .rules import f\n\nX = 1\n"
     out = adopt.ensure_main_import(text)
-    assert "from ..target import Target\nfrom . import megatron_main\n" in out
+    assert "from ..target import Target\nfrom . import megatron_main\nfrom .rules import f\n" in out
     assert adopt.ensure_main_import(out) == out
+    assert adopt.ensure_main_import("from . import zeta, alpha\n") == "from . import alpha, megatron_main, zeta\n"
 
 
 def test_matrix_json_gains_the_release_in_order():

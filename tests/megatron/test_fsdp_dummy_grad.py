@@ -102,9 +102,9 @@ def test_a_pending_grad_is_never_aliased(patched, cpu_dummy):
 
 def test_cuda_graph_capture_gets_megatrons_dummy(patched, cpu_dummy, monkeypatch):
     """During capture the dummy keeps megatron's (TE's cached, fixed-address) tensor."""
-    from gemm_patch.targets import fsdp_wgrad
+    from gemm_patch.targets import fsdp_rules
 
-    monkeypatch.setattr(fsdp_wgrad, "view_forbidden", lambda tensor: True)
+    monkeypatch.setattr(fsdp_rules, "view_forbidden", lambda tensor: True)
     weight, gbuf = megatron_fsdp_param(40, 32, distributed=False)
     exact, seen = run_with_fsdp_hook(weight, 2)
     assert storage_of(gbuf.data) not in seen

@@ -9,6 +9,9 @@
 #   on the one GPU (4 processes; their step times are measured while sharing it).
 # MODE speed: hidden 2048, 3 rounds of patched / fusion_off / bf16 main grads, one process at a time.
 # MODE moe: 8 experts, --moe-grouped-gemm, 3 seeds each of patched / fusion_off, 4 at a time.
+# MODE finegrained: Megatron-FSDP's fine-grained parameter-gather hooks on
+#   (--megatron-fsdp-enable-fine-grained-param-gather, 0.18+), 30 iterations, patched and fusion_off
+#   side by side (a weight used twice per backward: the tied embedding).
 #
 # Needs: the GPU kit installed (source .devkit/setup.sh: TE and megatron-core under /tmp/gp/mcXYZ),
 # validation/convergence/_upstream/RELEASE/ (pretrain_gpt.py, gpt_builders.py, model_provider.py
@@ -131,6 +134,14 @@ speed)
         train "speed_fusion_off_r$round" 1234 -- --no-gradient-accumulation-fusion
         train "speed_bf16_grads_r$round" 1234 -- --megatron-fsdp-main-grads-dtype bf16
     done
+    ;;
+finegrained)
+    read -r -a ARGS <<< "$(common_args 512 4 8 512 8 "${ITERS_FG:-30}")"
+    ARGS+=(--megatron-fsdp-enable-fine-grained-param-gather --eval-interval 30 --lr-warmup-iters 5)
+    train fg_patched 1234 &
+    sleep 3; train fg_fusion_off 1234 -- --no-gradient-accumulation-fusion &
+    wait
+    grep -h "iteration  *30/" "$LOGS"/fg_*.log | sed 's/^/  /'
     ;;
 moe)
     read -r -a ARGS <<< "$(common_args 512 4 8 512 8 "$ITERS")"

@@ -76,9 +76,39 @@ def _source(module: types.ModuleType) -> str:
         ) from None
 
 
+# Parsing and compiling a module's source is most of what judging a target costs (layers.py and
+# megatron_fsdp.py are read by several targets, each parse and compile tens of milliseconds): each
+# is done once per source text. Keyed by the text itself, so an edited file is read afresh; the
+# trees handed out are only read (twins are built from deep copies).
+_PARSED: dict[str, ast.Module] = {}
+_COMPILED: dict[tuple[str, str], types.CodeType] = {}
+_CACHE_SIZE = 16
+
+
+def _remember(cache: dict, key, make):
+    value = cache.get(key)
+    if value is None:
+        value = make()
+        if len(cache) >= _CACHE_SIZE:
+            cache.pop(next(iter(cache)))
+        cache[key] = value
+    return value
+
+
+def _parse(source: str) -> ast.Module:
+    return _remember(_PARSED, source, lambda: ast.parse(source))
+
+
+def _compile(source: str, filename: str) -> types.CodeType:
+    """The module's code as its import compiled it (from the text: compiling the parsed tree
+    gives other bytecode)."""
+    return _remember(_COMPILED, (filename, source),
+                     lambda: compile(source, filename, "exec", dont_inherit=True))
+
+
 def parse_module(module: types.ModuleType) -> ast.Module:
     """The module's source, parsed; CallSiteError where there is no source to read."""
-    return ast.parse(_source(module))
+    return _parse(_source(module))
 
 
 def parse_method(module: types.ModuleType, owner: str, attribute: str) -> ast.FunctionDef | None:
@@ -151,13 +181,12 @@ def check_live_is_source(module: types.ModuleType, owner: str, attribute: str) -
     (``__wrapped__``), must have equal code objects at every layer.
     """
     source = _source(module)
-    tree = ast.parse(source)
+    tree = _parse(source)
     funcdef = _find_method(tree, owner, attribute)
     cls = vars(module).get(owner)
     if funcdef is None or not isinstance(cls, type) or attribute not in vars(cls):
         raise CallSiteError(f"{module.__name__}.{owner}.{attribute} is not in both the file and the live module")
-    # Compiled from the text, as the import did (compiling the parsed tree gives other bytecode).
-    code = compile(source, _filename(module), "exec", dont_inherit=True)
+    code = _compile(source, _filename(module))
     body = next((c for c in code.co_consts if isinstance(c, types.CodeType) and c.co_name == owner), None)
     expected_code = next((c for c in body.co_consts if isinstance(c, types.CodeType) and c.co_name == attribute),
                          None) if body is not None else None
@@ -177,10 +206,10 @@ def check_live_function_is_source(module: types.ModuleType, name: str) -> ast.Fu
     the live ``module.name`` is that very function with the decorators the file names (each
     layer's code object equal to the file's compiled code, as ``check_live_is_source``)."""
     source = _source(module)
-    funcdef = next((n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == name), None)
+    funcdef = next((n for n in _parse(source).body if isinstance(n, ast.FunctionDef) and n.name == name), None)
     if funcdef is None:
         raise CallSiteError(f"{module.__name__}.{name} is not a function of its file")
-    code = compile(source, _filename(module), "exec", dont_inherit=True)
+    code = _compile(source, _filename(module))
     expected_code = next((c for c in code.co_consts if isinstance(c, types.CodeType) and c.co_name == name), None)
     live = vars(module).get(name)
     expected = _decorate(types.FunctionType(expected_code, module.__dict__), funcdef.decorator_list, module) \

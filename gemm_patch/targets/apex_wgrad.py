@@ -25,6 +25,7 @@ from typing import Any
 
 from ..apex_analysis import find_apex_usage
 from ..target import NOT_APPLICABLE, OFF, PATCHED_STATES, PENDING, SKIPPED, Inspection, Target, TargetStatus, Undo
+from . import megatron_main
 
 EXTENSION = "fused_weight_gradient_mlp_cuda"
 APEX_REAL = "apex real"  # apex's own extension imported: nothing to provide
@@ -188,6 +189,7 @@ TARGET = ApexWgradTarget(
         "0.18.2": "08d38a954a90ad6e",
         "0.19.0": "08d38a954a90ad6e",
         "0.19.2": "08d38a954a90ad6e",
+        megatron_main.RELEASE: "08d38a954a90ad6e",
     },
 )
 

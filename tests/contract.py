@@ -199,7 +199,9 @@ print("CONTRACT", json.dumps(found))
 def import_order_run(order: str, modules: tuple[str, ...]) -> dict[str, dict]:
     """A fresh interpreter imports the target modules before or after ``import gemm_patch``
     (one run per order and component, shared by every target)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GEMM_PATCH") or k == "GEMM_PATCH_MATRIX_EXPECT"}
+    # The expectations and the gate stay as the run sets them (adoption opens the gate for its code).
+    keep = ("GEMM_PATCH_MATRIX_EXPECT", "GEMM_PATCH_ALLOW_UNVERIFIED")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GEMM_PATCH") or k in keep}
     out = subprocess.run([sys.executable, "-c", IMPORT_ORDER, order, ",".join(modules)],
                          capture_output=True, text=True, env=env, timeout=300)
     line = next((line for line in out.stdout.splitlines() if line.startswith("CONTRACT ")), None)

@@ -64,6 +64,7 @@ from ..callsite import (
     parse_method,
 )
 from ..target import Inspection, MethodTarget, PatchedTwin, Undo
+from . import megatron_main
 from .fsdp_rules import is_fsdp_param, restore_written_flag
 
 NESTED = "_grad_acc"
@@ -204,6 +205,7 @@ TARGET = SharedGradTarget(
         "0.18.2": "f5f26f551e2b148a",
         "0.19.0": "983ac5ad1757938e",
         "0.19.2": "983ac5ad1757938e",
+        megatron_main.RELEASE: "bdc0b083616c6418",
     },
     **_COMMON,
 )
@@ -227,6 +229,7 @@ STANDALONE = SharedGradTarget(
         "0.5.1": "f5f26f551e2b148a",
         "0.6.0": "983ac5ad1757938e",  # = 0.19.x
         "0.6.1": "983ac5ad1757938e",
+        megatron_main.RELEASE: "bdc0b083616c6418",
     },
     **_COMMON,
 )

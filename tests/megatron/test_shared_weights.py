@@ -210,6 +210,8 @@ def wrap(module_fsdp, root: torch.nn.Module, distributed: bool, strategy: str | 
     ddp_config = types.SimpleNamespace(
         data_parallel_sharding_strategy=strategy, keep_fp8_transpose_cache=True, fsdp_double_buffer=False,
         outer_dp_sharding_strategy="no_shard", fsdp_manual_registration=False,
+        # Read by main's hooks (reduce in the hook where it overlaps, as Megatron-FSDP sets it).
+        overlap_grad_reduce=True,
     )
     vars(obj).update(
         module=root, ddp_config=ddp_config, data_parallel_sharding_strategy=strategy,

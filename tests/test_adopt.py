@@ -2,14 +2,16 @@
 real adoptions against megatron-core 0.16.1 (installed under compat/.cache by the version matrix
 on first use).
 
-One real adoption (0.16.1, --dry-run: the tests/megatron folder once, a few minutes) runs by
-default; the refusal of a deliberately broken copy of 0.16.1 runs the folder again and runs only
-with GEMM_PATCH_ADOPT_HEAVY=1.
+By default one real adoption of 0.16.1 runs with one test file (fsdp-wgrad's accumulate tests,
+seconds): the install, the fingerprints, the tests' outcomes read from junit and the verdicts are
+the real ones. The whole tests/megatron folder (a few minutes each: the recorded release, and the
+refusal of a deliberately broken copy) runs with GEMM_PATCH_ADOPT_HEAVY=1.
 """
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import os
 import shutil
 import sys
@@ -140,6 +142,28 @@ def _snapshot() -> dict[Path, bytes]:
     return {p: p.read_bytes() for p in files}
 
 
+def test_adopting_a_recorded_release_with_one_test_file(monkeypatch):
+    """The recorded release, its tests cut to one file: every fingerprint is the recorded one,
+    fsdp-wgrad passes its tests there, nothing is written."""
+    from gemm_patch.targets import REGISTRY
+
+    real_prepare = adopt.prepare
+
+    def prepare(spec):
+        return [dataclasses.replace(c, tests=["tests/megatron/test_fsdp_accumulate.py"]) for c in real_prepare(spec)]
+
+    monkeypatch.setattr(adopt, "prepare", prepare)
+    before = _snapshot()
+    lines: list[str] = []
+    result = adopt.adopt("megatron-core==0.16.1", dry_run=True, say=lines.append)
+    assert _snapshot() == before, "\n".join(lines)
+    for target in REGISTRY:
+        if target.distribution == "megatron-core" and "0.16.1" in target.fingerprints:
+            assert result[target.name].fingerprint == target.fingerprints["0.16.1"], result[target.name].line()
+    assert result["fsdp-wgrad"].ok and result["fsdp-wgrad"].state == "verified", "\n".join(lines)
+
+
+@heavy
 def test_adopting_a_recorded_release_reproduces_its_fingerprints_and_changes_nothing():
     from gemm_patch.targets import REGISTRY
 

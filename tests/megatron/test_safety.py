@@ -90,7 +90,9 @@ def edited_release(tmp_path_factory) -> Path:
 def test_edited_code_is_left_alone_and_keeps_its_own_semantics(edited_release):
     """0.1.0 patched it as 'unverified' with one warning, and the main_grad after 4 micro-batches
     was 4.58x the true sum (its accumulate plus the edit's add-back)."""
-    out = run("import gemm_patch\n" + MICRO_BATCHES + PRINT_STATES, [str(edited_release)])
+    # The gate closed as a user has it (an adoption run opens it for the release under test).
+    out = run("import gemm_patch\n" + MICRO_BATCHES + PRINT_STATES, [str(edited_release)],
+              GEMM_PATCH_ALLOW_UNVERIFIED="0")
     assert out.returncode == 0, out.stderr
     assert states(out)["fsdp-wgrad"] == "unverified", out.stdout
     ratio = float(next(line for line in out.stdout.splitlines() if line.startswith("ratio")).split()[1])

@@ -50,24 +50,8 @@ PATCHED = ("verified", "compatible", "forced")
 # Which targets each test file proves. test_contract is credited by its parameter id (the
 # target's name); a file not listed here credits nothing (its failures are printed, not held
 # against a target).
-TEST_TARGETS: dict[str, tuple[str, ...]] = {
-    "test_fsdp_wgrad.py": ("fsdp-wgrad",),
-    "test_fsdp_accumulate.py": ("fsdp-wgrad",),
-    "test_fsdp_dummy_grad.py": ("fsdp-wgrad",),
-    "test_safety.py": ("fsdp-wgrad",),
-    "test_reimport.py": ("fsdp-wgrad",),
-    "test_fsdp_te_overwrite.py": ("fsdp-te-overwrite",),
-    "test_moe_overwrite.py": ("moe-te-overwrite",),
-    "test_mfsdp_te_overwrite.py": ("mfsdp-te-overwrite",),
-    "test_shared_weights.py": ("fsdp-shared-grad", "mfsdp-shared-grad"),
-    "test_fine_grained_gather.py": ("fsdp-shared-grad", "mfsdp-shared-grad"),
-    "test_one_rank_scale.py": ("fsdp-one-rank-scale",),
-    "test_apex_wgrad.py": ("apex-wgrad",),
-    "test_apex_replace.py": ("apex-wgrad",),
-    "test_mcore_main_targets.py": ("fsdp-wgrad-gemm", "fsdp-te-overwrite-by-strategy",
-                                   "mfsdp-te-overwrite-by-strategy", "moe-te-overwrite",
-                                   "fsdp-one-rank-scale", "mfsdp-one-rank-scale"),
-}
+from matrix_quick import TEST_TARGETS  # noqa: E402  (which fix each test file proves)
+
 CONTRACT = "test_contract.py"
 MAIN_TESTS = "tests/test_mcore_main_targets.py"
 COMMIT_VARIABLE = "GEMM_PATCH_MAIN_COMMIT"  # tests/test_mcore_main_targets.py: the commit it tests

@@ -122,6 +122,13 @@ def fingerprint_key(release: Release) -> tuple:
     return tuple((t.name, t.fingerprints.get(release.version)) for t in REGISTRY if t.distribution == release.component)
 
 
+def _intended_minor(release: Release) -> tuple[int, ...]:
+    """The interpreter a release is meant to run in: its Requires-Python floor where this one is older."""
+    floor = release.python if release.python and _version_tuple(HERE.version) < _version_tuple(release.python) \
+        else HERE.version
+    return _version_tuple(floor)
+
+
 def plan(releases: Sequence[Release]) -> dict[Release, Release | None]:
     """For each release, None where it runs the whole test folder, else the release of the same
     group (same component, intended interpreter and recorded fingerprints) that does: the newest."""
@@ -129,10 +136,27 @@ def plan(releases: Sequence[Release]) -> dict[Release, Release | None]:
         return {r: None for r in releases}
     groups: dict[tuple, list[Release]] = {}
     for release in releases:
-        minor = release.python if release.python and _version_tuple(HERE.version) < _version_tuple(
-            release.python) else HERE.version
-        groups.setdefault((release.component, _version_tuple(minor), fingerprint_key(release)), []).append(release)
+        groups.setdefault((release.component, _intended_minor(release), fingerprint_key(release)), []).append(release)
     return {r: (None if r is group[-1] else group[-1]) for group in groups.values() for r in group}
+
+
+def process_elsewhere(releases: Sequence[Release], scope: dict[Release, Release | None]) -> dict[Release, str]:
+    """For each release that runs its whole folder, the targets whose process tests run on a newer
+    such release of the same component and interpreter with the same fingerprint for that target
+    (comma-separated, for GEMM_PATCH_MATRIX_PROCESS_ELSEWHERE)."""
+    from gemm_patch.targets import REGISTRY
+
+    full = [r for r in releases if scope.get(r) is None]
+    owner: dict[tuple, Release] = {}
+    def key(release: Release, target) -> tuple:
+        return release.component, _intended_minor(release), target.name, target.fingerprints.get(release.version)
+
+    for release in full:  # releases are listed oldest first: the newest of each key wins
+        for target in REGISTRY:
+            if target.distribution == release.component:
+                owner[key(release, target)] = release
+    return {release: ",".join(t.name for t in REGISTRY if t.distribution == release.component
+                              and owner[key(release, t)] is not release) for release in full}
 
 
 # -- interpreters ---------------------------------------------------------------------------
@@ -341,7 +365,7 @@ class ReleaseResult:
 
 
 def run_release(release: Release | str, interpreter: Interpreter | None = None,
-                full_on: Release | None = None, extra_args: Sequence[str] = ()) -> ReleaseResult:
+                full_on: Release | None = None, extra_args: Sequence[str] = (), elsewhere: str = "") -> ReleaseResult:
     """Install the release, run its component's tests against it (all of them, or with
     ``full_on`` those that start no process) and probe the states in a fresh process."""
     if isinstance(release, str):
@@ -361,7 +385,7 @@ def run_release(release: Release | str, interpreter: Interpreter | None = None,
     junit.parent.mkdir(parents=True, exist_ok=True)
     junit.unlink(missing_ok=True)
     test_env = {**env, "PYTHONPATH": os.pathsep.join([env["PYTHONPATH"], str(ROOT / "compat")]),
-                "GEMM_PATCH_MATRIX_QUICK": "1" if full_on else "0"}
+                "GEMM_PATCH_MATRIX_QUICK": "1" if full_on else "0", "GEMM_PATCH_MATRIX_PROCESS_ELSEWHERE": elsewhere}
     try:
         proc = subprocess.run(
             [interpreter.python, "-m", "pytest", str(ROOT / release.tests), "-q", "-p", "no:cacheprovider",
@@ -419,6 +443,7 @@ def run_matrix(releases: Sequence[Release], jobs: int = JOBS,
     other interpreters are built in the background meanwhile (mostly download and unpacking);
     their releases start once theirs is ready, the others fill the workers until then."""
     scope = plan(releases)
+    elsewhere = process_elsewhere(releases, scope)
     # Longest first (whole folders, then quick runs; megatron-core before megatron-fsdp), so
     # the two workers finish together.
     pending = sorted(releases, key=lambda r: (scope[r] is not None, r.component != "megatron-core"))
@@ -457,7 +482,7 @@ def run_matrix(releases: Sequence[Release], jobs: int = JOBS,
     def worker() -> None:
         while (job := take()) is not None:
             try:
-                done.put(run_release(*job))
+                done.put(run_release(*job, elsewhere=elsewhere.get(job[0], "")))
             except Exception as exc:  # noqa: BLE001
                 failed = ReleaseResult(job[0], job[1], {}, failed=1, failures=[repr(exc)], full_on=job[2])
                 done.put(failed)

@@ -7,6 +7,11 @@ release that runs the whole folder in the same interpreter: the code gemm_patch 
 the same, so the process-level tests (import order, strict mode, summary lines, threads) would
 repeat the same run; every in-process test still runs against the release itself.
 
+Per fix, too: on a release that runs the whole folder, ``GEMM_PATCH_MATRIX_PROCESS_ELSEWHERE``
+names the targets whose code here is identical to a newer release's of the same interpreter that
+runs the whole folder as well; the process tests of their files (``TEST_TARGETS``) run there only
+(apex-wgrad's code, for one, is the same in every megatron-core release).
+
 A test starts a process when its code, or a function it calls by a global name (followed
 through helpers, in any module), uses ``subprocess`` or ``sys.executable``.
 """
@@ -15,6 +20,25 @@ from __future__ import annotations
 
 import os
 import types
+
+TEST_TARGETS: dict[str, tuple[str, ...]] = {
+    "test_fsdp_wgrad.py": ("fsdp-wgrad",),
+    "test_fsdp_accumulate.py": ("fsdp-wgrad",),
+    "test_fsdp_dummy_grad.py": ("fsdp-wgrad",),
+    "test_safety.py": ("fsdp-wgrad",),
+    "test_reimport.py": ("fsdp-wgrad",),
+    "test_fsdp_te_overwrite.py": ("fsdp-te-overwrite",),
+    "test_moe_overwrite.py": ("moe-te-overwrite",),
+    "test_mfsdp_te_overwrite.py": ("mfsdp-te-overwrite",),
+    "test_shared_weights.py": ("fsdp-shared-grad", "mfsdp-shared-grad"),
+    "test_fine_grained_gather.py": ("fsdp-shared-grad", "mfsdp-shared-grad"),
+    "test_one_rank_scale.py": ("fsdp-one-rank-scale",),
+    "test_apex_wgrad.py": ("apex-wgrad",),
+    "test_apex_replace.py": ("apex-wgrad",),
+    "test_mcore_main_targets.py": ("fsdp-wgrad-gemm", "fsdp-te-overwrite-by-strategy",
+                                   "mfsdp-te-overwrite-by-strategy", "moe-te-overwrite",
+                                   "fsdp-one-rank-scale", "mfsdp-one-rank-scale"),
+}
 
 _SPAWN_NAMES = frozenset({"subprocess", "executable", "Popen", "check_output", "check_call"})
 
@@ -43,12 +67,21 @@ def starts_a_process(function, seen: set | None = None) -> bool:
                if isinstance(scope.get(name), (types.FunctionType, types.MethodType)))
 
 
+def _elsewhere(item, targets: frozenset[str]) -> bool:
+    """Every fix the item's file proves is proven on another release (same code)."""
+    proves = TEST_TARGETS.get(os.path.basename(str(getattr(item, "fspath", ""))), ())
+    return bool(proves) and set(proves) <= targets
+
+
 def pytest_collection_modifyitems(config, items):
-    if os.environ.get("GEMM_PATCH_MATRIX_QUICK") != "1":
+    quick = os.environ.get("GEMM_PATCH_MATRIX_QUICK") == "1"
+    elsewhere = frozenset(filter(None, os.environ.get("GEMM_PATCH_MATRIX_PROCESS_ELSEWHERE", "").split(",")))
+    if not quick and not elsewhere:
         return
     keep, drop = [], []
     for item in items:
-        (drop if starts_a_process(getattr(item, "function", None)) else keep).append(item)
+        spawns = starts_a_process(getattr(item, "function", None))
+        (drop if spawns and (quick or _elsewhere(item, elsewhere)) else keep).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep

@@ -23,7 +23,7 @@ from process_env import PROBE, ROOT, clean_env, config_error_lines, gemm_patch_c
 pytest.register_assert_rewrite("wheel_venvs")  # a plugin (pytest_plugins), imported here first
 from wheel_venvs import _site_packages, env_for, run  # noqa: E402
 
-pytest_plugins = ["wheel_venvs"]  # the session's ``venvs`` fixture, shared with test_disable.py
+pytest_plugins = ["wheel_venvs"]  # the ``venvs`` fixture (built once per run), shared with test_disable.py
 
 BOOTSTRAP = ROOT / "gemm_patch" / "bootstrap"
 

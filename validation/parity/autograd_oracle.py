@@ -1,4 +1,4 @@
-"""Oracle 2 of issues 10 and 13 (``autograd``): the weight gradient of step 1 computed without
+"""Second oracle of the layout and tied-weight runs (``autograd``): the weight gradient of step 1 computed without
 Megatron-FSDP, to check the fusion-off run (oracle 1) and the patched runs against.
 
 What it runs (one configuration of train_gpt_fsdp.py's ``--plan`` with

@@ -385,3 +385,49 @@ def check_not_applicable(target: Target, expect: str) -> None:
     finally:
         gemm_patch.revert()
         gemm_patch.apply()
+
+
+def define_tests(namespace: dict, component: str, expected: dict[str, str]) -> None:
+    """The contract's test functions for ``component``'s targets, put into a test module's
+    ``namespace`` (each test folder runs them against its own release)."""
+    targets = params(component)
+    by_target = pytest.mark.parametrize("target", targets)
+
+    def expect(target) -> str:
+        return expected[target.name]
+
+    @pytest.mark.parametrize("order", ["gemm_patch first", "module first"])
+    @by_target
+    def test_import_order(target, order):
+        check_import_order(target, expect(target), order, component)
+
+    @by_target
+    def test_apply_revert_apply(target):
+        check_apply_revert_apply(target, expect(target))
+
+    @by_target
+    def test_reload_keeps_it_patched(target):
+        check_reload(target, expect(target))
+
+    @by_target
+    def test_reimport_patches_the_new_module_and_keeps_the_old(target):
+        check_reimport(target, expect(target))
+
+    @by_target
+    def test_replaced_object_is_left_alone(target):
+        check_replaced(target, expect(target))
+
+    @pytest.mark.parametrize("strict", [False, True], ids=["default", "strict"])
+    @by_target
+    def test_unknown_code_is_left_alone(target, strict):
+        check_unknown_code(target, expect(target), strict)
+
+    @by_target
+    def test_disable_leaves_it_off(target):
+        check_disable(target, expect(target))
+
+    @by_target
+    def test_not_applicable_changes_nothing(target):
+        check_not_applicable(target, expect(target))
+
+    namespace.update({name: value for name, value in locals().items() if name.startswith("test_")})

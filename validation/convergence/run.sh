@@ -7,8 +7,10 @@
 # MODE convergence (default): a 20-iteration dry run (patched), the unpatched run (GEMM_PATCH=0),
 #   then patched / fusion_off seed 1234 / fusion_off seed 1235 / correctness_off at the same time
 #   on the one GPU (4 processes; their step times are measured while sharing it).
-# MODE speed: hidden 2048, 3 rounds of patched / fusion_off / bf16 main grads, one process at a time.
-# MODE moe: 8 experts, --moe-grouped-gemm, 3 seeds each of patched / fusion_off, 4 at a time.
+# MODE speed: hidden 2048, 3 rounds of patched / fusion_off / bf16 main grads, one process at a time,
+#   the order turning each round.
+# MODE moe: 8 experts, --moe-grouped-gemm, a 20-iteration dry run, then 3 seeds (MOE_SEEDS) of each
+#   configuration in MOE_CONFIGS (default: patched fusion_off; also correctness_off), all at once.
 # MODE finegrained: Megatron-FSDP's fine-grained parameter-gather hooks on
 #   (--megatron-fsdp-enable-fine-grained-param-gather, 0.18+), 30 iterations, patched and fusion_off
 #   side by side (a weight used twice per backward: the tied embedding).
@@ -129,10 +131,20 @@ convergence)
 speed)
     read -r -a ARGS <<< "$(common_args 2048 4 16 2048 2 "${SPEED_ITERS:-60}")"
     ARGS+=(--eval-iters 0)
+    # the order turns each round, so no configuration always runs first on a cold GPU
     for round in 1 2 3; do
-        train "speed_patched_r$round" 1234
-        train "speed_fusion_off_r$round" 1234 -- --no-gradient-accumulation-fusion
-        train "speed_bf16_grads_r$round" 1234 -- --megatron-fsdp-main-grads-dtype bf16
+        case $round in
+            1) order="patched fusion_off bf16_grads" ;;
+            2) order="fusion_off bf16_grads patched" ;;
+            3) order="bf16_grads patched fusion_off" ;;
+        esac
+        for config in $order; do
+            case "$config" in
+                patched) train "speed_patched_r$round" 1234 ;;
+                fusion_off) train "speed_fusion_off_r$round" 1234 -- --no-gradient-accumulation-fusion ;;
+                bf16_grads) train "speed_bf16_grads_r$round" 1234 -- --megatron-fsdp-main-grads-dtype bf16 ;;
+            esac
+        done
     done
     ;;
 finegrained)
@@ -147,8 +159,23 @@ moe)
     read -r -a ARGS <<< "$(common_args 512 4 8 512 8 "$ITERS")"
     ARGS+=(--num-experts 8 --moe-router-topk 2 --moe-grouped-gemm --moe-ffn-hidden-size 1024
            --moe-token-dispatcher-type alltoall --moe-aux-loss-coeff 1e-2)
-    for s in 1234 1235 1236; do train "moe_patched_s$s" "$s" & sleep 3; done
-    for s in 1234 1235 1236; do train "moe_fusion_off_s$s" "$s" -- --no-gradient-accumulation-fusion & sleep 3; done
+    # a 20-iteration dry run first: a flag error shows in about a minute
+    train moe_dry 1234 GEMM_PATCH_LOG_LEVEL=INFO -- --train-iters 20 --eval-interval 10 --lr-warmup-iters 5
+    if ! grep -q "iteration  *20/ *20" "$LOGS/moe_dry.log"; then
+        echo "dry run failed:"; grep -v "^  " "$LOGS/moe_dry.log" | tail -40
+        tar czf "$OUT/logs_${REL}_${MODE}.tar.gz" -C "$LOGS" .; exit 1
+    fi
+    for config in ${MOE_CONFIGS:-patched fusion_off}; do
+        case "$config" in
+            patched) envs=(); extra=() ;;
+            fusion_off) envs=(); extra=(--no-gradient-accumulation-fusion) ;;
+            correctness_off) envs=(GEMM_PATCH_SHARED_GRAD=0 GEMM_PATCH_TE_OVERWRITE=0); extra=() ;;
+            *) echo "MOE_CONFIGS: unknown config $config (patched, fusion_off, correctness_off)"; exit 2 ;;
+        esac
+        for s in ${MOE_SEEDS:-1234 1235 1236}; do
+            train "moe_${config}_s$s" "$s" "${envs[@]}" -- "${extra[@]}" & sleep 3
+        done
+    done
     wait
     ;;
 esac

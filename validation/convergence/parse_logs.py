@@ -3,8 +3,9 @@
     python validation/convergence/parse_logs.py --release 0.17.1 --mode convergence --logs DIR --out FILE
     python validation/convergence/parse_logs.py --merge FILE... --out validation/convergence/results.json
 
-One record per log: release, strategy, config (patched / fusion_off / correctness_off / unpatched,
-or the speed / MoE variants), seed, iterations (last logged training iteration), train_loss and
+One record per log: release, strategy, mode, run (the log's name), config (patched / fusion_off /
+correctness_off / unpatched / dry; MoE runs take the same names, speed runs speed_patched /
+speed_fusion_off / speed_bf16_grads), seed, iterations (last logged training iteration), train_loss and
 val_loss (iteration -> loss; val_loss keeps the in-loop evaluation, final_val_loss is the last
 evaluation printed, the one pretrain runs after training), step_ms (median of the logged
 "elapsed time per iteration" over logged intervals after the first), peak_gib (megatron's
@@ -30,11 +31,16 @@ PATCH_RE = re.compile(r"^\[gemm_patch\] INFO: .*$", re.M)
 
 
 def config_of(name: str) -> tuple[str, int | None]:
-    """(config, seed from the name or None) for run.sh's run names."""
+    """(config, seed from the name or None) for run.sh's run names.
+
+    MoE runs (``moe_patched_s1234``, ``moe_dry``) take the plain config name; their records carry
+    mode ``moe``. Speed runs keep their prefix (``speed_patched_r2`` -> ``speed_patched``).
+    """
     m = re.search(r"_seed(\d+)$|_s(\d+)$", name)
     seed = int(m.group(1) or m.group(2)) if m else None
     base = name[: m.start()] if m else name
     base = re.sub(r"_r\d+$", "", base)
+    base = re.sub(r"^moe_", "", base)
     return base, seed
 
 

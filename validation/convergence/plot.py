@@ -2,9 +2,11 @@
 
     python validation/convergence/plot.py [--results FILE] [--png FILE]
 
-One panel per release; one line per convergence run that logged a validation loss (patched,
-fusion off per seed, correctness off), in-loop evaluations at their iteration. Runs without a
-validation loss (a crash, the speed runs) are listed in the panel's title instead.
+One panel per release of the dense convergence runs, then one per release of the MoE runs (mode
+``moe``); one line per run that logged a validation loss (patched, fusion off per seed, correctness
+off), in-loop evaluations at their iteration. Dry runs and speed runs are not drawn; a run without a
+validation loss (a crash) is listed in its panel's title instead. In the MoE panels the colour and
+line style name the configuration and the marker the seed.
 """
 
 from __future__ import annotations
@@ -16,13 +18,15 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 STYLE = {"patched": ("tab:blue", "-"), "fusion_off": ("tab:orange", "--"),
          "correctness_off": ("tab:red", "-."), "unpatched": ("black", ":")}
+SEED_MARKER = {"1234": "o", "1235": "s", "1236": "^"}
+PANEL_MODES = ("convergence", "moe")
 
 
-def curves(results: dict) -> dict:
-    """{release: [(label, config, [(iteration, loss)...]), ...]} for the convergence runs."""
+def curves(results: dict, mode: str = "convergence") -> dict:
+    """{release: [(label, config, [(iteration, loss)...]), ...]} for the runs of one mode."""
     out: dict = {}
     for r in results["runs"]:
-        if r.get("mode", "convergence") != "convergence" or r["config"] == "dry":
+        if r.get("mode", "convergence") != mode or r["config"] == "dry":
             continue
         pts = sorted((int(k), v) for k, v in r["val_loss"].items())
         label = f"{r['config']} seed {r['seed']}"
@@ -30,36 +34,71 @@ def curves(results: dict) -> dict:
     return out
 
 
-def plot(results: dict, png: str) -> None:
+def panels(results: dict) -> list[tuple[str, str, list]]:
+    """[(mode, release, curves), ...]: the dense releases first, then the MoE releases."""
+    out = []
+    for mode in PANEL_MODES:
+        data = curves(results, mode)
+        out += [(mode, rel, data[rel]) for rel in sorted(data)]
+    return out
+
+
+def _moe_legends(ax, runs: list) -> None:
+    """Two legends, upper right: the configurations (colour, line style) and the seeds (marker)."""
+    from matplotlib.lines import Line2D
+
+    configs = sorted({config for _, config, pts in runs if pts})
+    seeds = sorted({label.rsplit(" ", 1)[-1] for label, _, pts in runs if pts})
+    cfg = ax.legend([Line2D([], [], color=STYLE.get(c, ("gray", "-"))[0], linestyle=STYLE.get(c, ("gray", "-"))[1])
+                     for c in configs], configs, fontsize=8, loc="upper right")
+    ax.add_artist(cfg)
+    ax.legend([Line2D([], [], color="dimgray", marker=SEED_MARKER.get(s, "x"), fillstyle="none", linestyle="none")
+               for s in seeds], [f"seed {s}" for s in seeds], fontsize=8, loc="upper right",
+              bbox_to_anchor=(0.68, 1.0))
+
+
+def plot(results: dict, png: str) -> list[tuple[str, list[str]]]:
+    """Draw the panels into png; return each panel's title and the labels of its drawn lines."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    data = curves(results)
-    releases = sorted(data)
-    fig, axes = plt.subplots(1, max(1, len(releases)), figsize=(6 * max(1, len(releases)), 4.5), squeeze=False)
-    for ax, rel in zip(axes[0], releases, strict=False):
+    todo = panels(results)
+    n = max(1, len(todo))
+    fig, axes = plt.subplots(1, n, figsize=(6 * n, 4.5), squeeze=False)
+    drawn = []
+    for ax, (mode, rel, runs) in zip(axes[0], todo, strict=False):
         failed = []
-        for label, config, pts in sorted(data[rel]):
+        for label, config, pts in sorted(runs):
             if not pts:
                 failed.append(label)
                 continue
             color, ls = STYLE.get(config, ("gray", "-"))
+            if mode == "moe":
+                marker = SEED_MARKER.get(label.rsplit(" ", 1)[-1], "x")  # label: "CONFIG seed SEED"
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], ls, color=color, marker=marker,
+                        markersize=4, fillstyle="none", label=label)
+                continue
             if "1235" in label:
                 color = "tab:green"
             ax.plot([p[0] for p in pts], [p[1] for p in pts], ls, color=color, marker=".", label=label)
-        title = f"megatron-core {rel}"
+        title = f"megatron-core {rel}, " + ("MoE (8 experts, top-2, grouped GEMM)" if mode == "moe" else "dense")
         if failed:
             title += "\nno validation loss: " + ", ".join(failed)
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("iteration")
         ax.set_ylabel("validation lm loss")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if mode == "moe":
+            _moe_legends(ax, runs)
+        else:
+            ax.legend(fontsize=8)
+        drawn.append((title, [line.get_label() for line in ax.get_lines()]))
     fig.suptitle("pretrain_gpt.py, Megatron-FSDP optim_grads_params, fp32 main grads, bf16, 1 GPU", fontsize=10)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
+    return drawn
 
 
 def main(argv=None) -> None:

@@ -22,6 +22,10 @@ FIXTURE = {"runs": [
     {"release": "0.17.1", "mode": "convergence", "config": "unpatched", "seed": 1234, "val_loss": {}},
     {"release": "0.17.1", "mode": "convergence", "config": "dry", "seed": 1234, "val_loss": {"10": 3.0}},
     {"release": "0.19.2", "mode": "speed", "config": "speed_patched", "seed": 1234, "val_loss": {}},
+    {"release": "0.19.2", "mode": "moe", "config": "patched", "seed": 1234, "val_loss": {"100": 2.3, "200": 2.1}},
+    {"release": "0.19.2", "mode": "moe", "config": "patched", "seed": 1235, "val_loss": {"100": 2.4, "200": 2.2}},
+    {"release": "0.19.2", "mode": "moe", "config": "fusion_off", "seed": 1236, "val_loss": {"100": 2.3}},
+    {"release": "0.19.2", "mode": "moe", "config": "dry", "seed": 1234, "val_loss": {"10": 3.0}},
 ]}
 
 
@@ -52,6 +56,14 @@ def test_curves_keep_convergence_runs():
     assert c["0.17.1"][0][2] == [(100, 2.3), (200, 2.0)]
 
 
+def test_curves_moe_runs():
+    c = plot.curves(FIXTURE, "moe")
+    assert set(c) == {"0.19.2"}
+    assert [label for label, _, _ in c["0.19.2"]] == [
+        "patched seed 1234", "patched seed 1235", "fusion_off seed 1236"]
+    assert [mode for mode, _, _ in plot.panels(FIXTURE)] == ["convergence", "moe"]
+
+
 def test_plot_writes_png(tmp_path):
     pytest.importorskip("matplotlib")
     res = tmp_path / "results.json"
@@ -59,6 +71,11 @@ def test_plot_writes_png(tmp_path):
     png = tmp_path / "val_loss.png"
     plot.main(["--results", str(res), "--png", str(png)])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    drawn = plot.plot(FIXTURE, str(tmp_path / "direct.png"))
+    assert [title.split("\n")[0] for title, _ in drawn] == [
+        "megatron-core 0.17.1, dense", "megatron-core 0.19.2, MoE (8 experts, top-2, grouped GEMM)"]
+    assert drawn[0][0].endswith("no validation loss: unpatched seed 1234")
+    assert drawn[1][1] == ["fusion_off seed 1236", "patched seed 1234", "patched seed 1235"]
 
 
 def test_parse_log():
@@ -70,4 +87,14 @@ def test_parse_log():
     assert r["rc"] == 1 and r["error"] == "RuntimeError: boom"
     assert parse_logs.config_of("fusion_off_seed1235") == ("fusion_off", 1235)
     assert parse_logs.config_of("speed_patched_r2") == ("speed_patched", None)
-    assert parse_logs.config_of("moe_fusion_off_s1236") == ("moe_fusion_off", 1236)
+    assert parse_logs.config_of("moe_fusion_off_s1236") == ("fusion_off", 1236)
+    assert parse_logs.config_of("moe_dry") == ("dry", None)
+
+
+def test_parse_dir_moe(tmp_path):
+    (tmp_path / "moe_correctness_off_s1236.log").write_text(LOG.replace("--seed 1235", "--seed 1236"))
+    (tmp_path / "versions.json").write_text('{"megatron_core": "0.19.2"}')
+    [r] = parse_logs.parse_dir(str(tmp_path), "0.19.2", "moe")
+    assert (r["mode"], r["run"]) == ("moe", "moe_correctness_off_s1236")
+    assert (r["config"], r["seed"]) == ("correctness_off", 1236)
+    assert r["versions"] == {"megatron_core": "0.19.2"} and r["final_val_loss"] == 4.7

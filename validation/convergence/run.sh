@@ -158,7 +158,8 @@ finegrained)
 moe)
     read -r -a ARGS <<< "$(common_args 512 4 8 512 8 "$ITERS")"
     ARGS+=(--num-experts 8 --moe-router-topk 2 --moe-grouped-gemm --moe-ffn-hidden-size 1024
-           --moe-token-dispatcher-type alltoall --moe-aux-loss-coeff 1e-2)
+           --moe-token-dispatcher-type alltoall --moe-aux-loss-coeff 1e-2
+           --disable-bias-linear)  # TEGroupedMLP refuses bias-dropout fusion with biases
     # a 20-iteration dry run first: a flag error shows in about a minute
     train moe_dry 1234 GEMM_PATCH_LOG_LEVEL=INFO -- --train-iters 20 --eval-interval 10 --lr-warmup-iters 5
     if ! grep -q "iteration  *20/ *20" "$LOGS/moe_dry.log"; then

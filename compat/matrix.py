@@ -53,6 +53,9 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from matrix_quick import COMMON_ELSEWHERE  # noqa: E402  (the matrix's pytest plugin)
+
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / "compat" / ".cache"
 MATRIX_FILE = ROOT / "compat" / "matrix.json"
@@ -142,21 +145,29 @@ def plan(releases: Sequence[Release]) -> dict[Release, Release | None]:
 
 def process_elsewhere(releases: Sequence[Release], scope: dict[Release, Release | None]) -> dict[Release, str]:
     """For each release that runs its whole folder, the targets whose process tests run on a newer
-    such release of the same component and interpreter with the same fingerprint for that target
-    (comma-separated, for GEMM_PATCH_MATRIX_PROCESS_ELSEWHERE)."""
+    such release of the same component with the same fingerprint for that target, in whichever
+    interpreter, and ``common`` on all but the component's newest such release (matrix_quick.COMMON)
+    (comma-separated, for GEMM_PATCH_MATRIX_PROCESS_ELSEWHERE). The interpreter does
+    not matter here: a process test checks what happens around the import (order, strict mode,
+    log lines, threads) for code that is the same, and every release still runs every in-process
+    test in its own interpreter."""
     from gemm_patch.targets import REGISTRY
 
     full = [r for r in releases if scope.get(r) is None]
     owner: dict[tuple, Release] = {}
     def key(release: Release, target) -> tuple:
-        return release.component, _intended_minor(release), target.name, target.fingerprints.get(release.version)
+        return release.component, target.name, target.fingerprints.get(release.version)
 
+    newest: dict[str, Release] = {}
     for release in full:  # releases are listed oldest first: the newest of each key wins
+        newest[release.component] = release
         for target in REGISTRY:
             if target.distribution == release.component:
                 owner[key(release, target)] = release
-    return {release: ",".join(t.name for t in REGISTRY if t.distribution == release.component
-                              and owner[key(release, t)] is not release) for release in full}
+    return {release: ",".join([t.name for t in REGISTRY if t.distribution == release.component
+                               and owner[key(release, t)] is not release]
+                              + ([COMMON_ELSEWHERE] if newest[release.component] is not release else []))
+            for release in full}
 
 
 # -- interpreters ---------------------------------------------------------------------------
@@ -528,7 +539,8 @@ def render_report(results: Sequence[ReleaseResult], wall: float | None = None) -
         "identity, the switch, the summary line",
         "- process tests: a release whose recorded fingerprints equal those of a newer release of the "
         "matrix (same interpreter) runs every test but those that start a Python process; that newer "
-        "release runs them",
+        "release runs them. A whole-folder release leaves a fix's process tests to a newer one with the "
+        "same code for that fix, and the common ones (compat/matrix_quick.py COMMON) to the newest",
         "",
         "| component | release | Python | target states (expected where different) "
         "| passed | failed | skipped | process tests | time (s) |",

@@ -8,9 +8,15 @@ the same, so the process-level tests (import order, strict mode, summary lines, 
 repeat the same run; every in-process test still runs against the release itself.
 
 Per fix, too: on a release that runs the whole folder, ``GEMM_PATCH_MATRIX_PROCESS_ELSEWHERE``
-names the targets whose code here is identical to a newer release's of the same interpreter that
-runs the whole folder as well; the process tests of their files (``TEST_TARGETS``) run there only
-(apex-wgrad's code, for one, is the same in every megatron-core release).
+names the targets whose code here is identical to a newer release's that runs the whole folder
+as well, in whichever interpreter; the process tests of their files (``TEST_TARGETS``) run there
+only (apex-wgrad's code, for one, is the same in every megatron-core release).
+
+And the process tests of machinery that no release's code changes (``COMMON``: the gate's
+default and strict modes around an import, threads, reloads, the rank rule, import order) run on
+the component's newest whole-folder release only (the others get ``common`` in that variable):
+what of them does depend on the release is checked on every release in-process by the contract
+(tests/contract.py: unknown code in both modes, reload, re-import, import order per target).
 
 A test starts a process when its code, or a function it calls by a global name (followed
 through helpers, in any module), uses ``subprocess`` or ``sys.executable``.
@@ -40,6 +46,20 @@ TEST_TARGETS: dict[str, tuple[str, ...]] = {
                                    "fsdp-one-rank-scale", "mfsdp-one-rank-scale"),
 }
 
+# "file" (all of its process tests), "file::test" (every parameter) or "file::test[id]".
+COMMON: frozenset[str] = frozenset({
+    "test_safety.py",
+    "test_fsdp_wgrad.py::test_import_order_does_not_matter",
+    "test_fsdp_wgrad.py::test_unknown_code_is_left_alone_unless_allowed_and_refused_in_strict_mode[default]",
+    "test_fsdp_wgrad.py::test_unknown_code_is_left_alone_unless_allowed_and_refused_in_strict_mode[strict]",
+    "test_fsdp_te_overwrite.py::test_unknown_code_is_left_alone_unless_allowed_and_refused_in_strict_mode[default]",
+    "test_fsdp_te_overwrite.py::test_unknown_code_is_left_alone_unless_allowed_and_refused_in_strict_mode[strict]",
+    "test_fsdp_te_overwrite.py::test_one_summary_line_and_at_most_one_more_on_rank_0[1]",
+    "test_summary_lines.py::test_other_ranks_say_nothing_at_info",
+    "test_summary_lines.py::test_rank_0_names_each_fix_once_at_info[no RANK]",
+})
+COMMON_ELSEWHERE = "common"  # in GEMM_PATCH_MATRIX_PROCESS_ELSEWHERE: COMMON runs on another release
+
 _SPAWN_NAMES = frozenset({"subprocess", "executable", "Popen", "check_output", "check_call"})
 
 
@@ -67,8 +87,16 @@ def starts_a_process(function, seen: set | None = None) -> bool:
                if isinstance(scope.get(name), (types.FunctionType, types.MethodType)))
 
 
+def is_common(item) -> bool:
+    name = os.path.basename(str(getattr(item, "fspath", "")))
+    return bool({name, f"{name}::{getattr(item, 'originalname', item.name)}", f"{name}::{item.name}"} & COMMON)
+
+
 def _elsewhere(item, targets: frozenset[str]) -> bool:
-    """Every fix the item's file proves is proven on another release (same code)."""
+    """Every fix the item's file proves is proven on another release (same code), or the item
+    is common machinery run on another release."""
+    if COMMON_ELSEWHERE in targets and is_common(item):
+        return True
     proves = TEST_TARGETS.get(os.path.basename(str(getattr(item, "fspath", ""))), ())
     return bool(proves) and set(proves) <= targets
 

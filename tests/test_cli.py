@@ -18,6 +18,9 @@ from pathlib import Path
 import pytest
 from process_env import ISOLATE, ROOT, clean_env, gemm_patch_command, without_installed_megatron
 
+sys.path.insert(0, str(ROOT / "compat"))
+import matrix  # noqa: E402
+
 # Releases without Megatron-FSDP's fused wgrad call: 0.13.1 is in the support table (the apex
 # path only); 0.12.3, the last 0.12, is older than the table.
 RELEASES_WITHOUT_FSDP_CALL = ("0.13.1", "0.12.3")
@@ -30,15 +33,10 @@ WARNINGS_NOTE = re.compile(r"\((\d+) warnings? from importing megatron suppresse
 
 def install(version: str) -> Path:
     """A megatron-core release in its own folder, where and as compat/ installs the matrix's
-    (pip --no-deps --target compat/.cache/mcore-X, then a .complete marker holding the version).
-    Only releases that pip installs for any Python gemm-patch supports (>= 3.10)."""
-    target = ROOT / "compat" / ".cache" / f"mcore-{version}"
-    marker = target / ".complete"
-    if not marker.exists():
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--disable-pip-version-check",
-                        "--target", str(target), f"megatron-core=={version}"], check=True)
-        marker.write_text(version)
-    return target
+    (compat/matrix.py ``ensure_release``: pip --no-deps --target compat/.cache/mcore-X under a
+    lock, so a matrix running beside these tests never installs the same folder at the same
+    time). Only releases that pip installs for any Python gemm-patch supports (>= 3.10)."""
+    return matrix.ensure_release(matrix.Release("megatron-core", version, "mcore", "tests/megatron"))
 
 
 def env_for(*path: Path | str, **variables: str) -> dict[str, str]:

@@ -49,11 +49,16 @@ def _tree(tmp_path: Path) -> Path:
 
 
 def _release_tree() -> Path:
+    """A megatron-core release under compat/.cache/: one the matrix installed, else 0.16.1
+    installed now (compat/matrix.py ``ensure_release``, under the matrix's lock)."""
     for rel in RELEASES:
         tree = ROOT / "compat" / ".cache" / f"mcore-{rel}"
         if (tree / "megatron" / "core" / "datasets" / "indexed_dataset.py").exists():
             return tree
-    pytest.skip("no megatron-core release under compat/.cache/ (tests/test_matrix.py installs them)")
+    sys.path.insert(0, str(ROOT / "compat"))
+    import matrix
+
+    return matrix.ensure_release(matrix.select(["megatron-core==0.16.1"])[0])
 
 
 def test_files_filtered_and_in_sha1_order(tmp_path):

@@ -116,7 +116,9 @@ def test_tests_are_credited_by_file_and_contract_id():
                           names) == ["fsdp-wgrad"]
     assert adopt.credited(case("test_contract.py", "test_import_order[fsdp-wgrad-gemm-module first]", "passed"),
                           names) == ["fsdp-wgrad-gemm"]
-    assert adopt.credited(case("test_fine_grained_gather.py", "test_x", "passed"), names) == ["fsdp-shared-grad"]
+    # The tied-weight tests run the output layer's fused write too: they prove fsdp-wgrad as well.
+    assert adopt.credited(case("test_fine_grained_gather.py", "test_x", "passed"), names) == \
+        ["fsdp-wgrad", "fsdp-shared-grad"]
     assert adopt.credited(case("test_summary_lines.py", "test_x", "passed"), names) == []
     # Every target of the registry that has a test folder of its component is credited somewhere.
     from gemm_patch.targets import REGISTRY
@@ -187,7 +189,9 @@ def test_adopting_a_recorded_release_reproduces_its_fingerprints_and_changes_not
 def test_an_overwriting_copy_is_refused_for_the_affected_target(tmp_path, monkeypatch):
     """0.16.1 with a second, overwriting write after the fused wgrad call site in layers.py:
     fsdp-wgrad's fingerprint changes, its tests run it forced and find the persistent buffer
-    overwritten; it is refused, naming the test, and nothing is recorded."""
+    overwritten; it is refused, naming the test, and nothing is recorded. The tied-weight tests
+    (fsdp-shared-grad's) go through the same write, the output layer's: they fail too and are
+    held against fsdp-wgrad as well; a fix whose tests do not touch that write keeps its verdict."""
     import matrix
 
     source = matrix.ensure_release(matrix.select(["megatron-core==0.16.1"])[0])
@@ -213,4 +217,6 @@ def test_an_overwriting_copy_is_refused_for_the_affected_target(tmp_path, monkey
     assert wgrad.state == "forced" and not wgrad.ok and wgrad.failures, wgrad.line()
     assert any(f.file == "test_fsdp_accumulate.py" for f in wgrad.failures), wgrad.line()
     assert any("fsdp-wgrad" in line and "left unverified" in line and "::" in line for line in lines), lines
-    assert result["fsdp-shared-grad"].ok, result["fsdp-shared-grad"].line()
+    shared = result["fsdp-shared-grad"]
+    assert {f.file for f in shared.failures} <= {f.file for f in wgrad.failures}, (shared.line(), wgrad.line())
+    assert result["fsdp-one-rank-scale"].ok, result["fsdp-one-rank-scale"].line()

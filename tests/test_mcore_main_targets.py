@@ -37,7 +37,6 @@ import megatron_lm  # noqa: E402
 
 # compat/adopt.py tests another commit's code against main's tables through this variable.
 COMMIT = os.environ.get("GEMM_PATCH_MAIN_COMMIT") or megatron_main.COMMIT
-MCORE, MFSDP = megatron_lm.folders(COMMIT)
 
 MAIN_TARGETS = ("fsdp-wgrad-gemm", "fsdp-te-overwrite-by-strategy", "mfsdp-te-overwrite-by-strategy",
                 "moe-te-overwrite")
@@ -49,12 +48,6 @@ def test_every_main_target_pins_the_same_commit():
                    te_overwrite.MOE_TARGET, one_rank_scale.TARGET, one_rank_scale.STANDALONE):
         assert megatron_main.RELEASE in target.fingerprints
         assert "0.20.0" not in target.fingerprints, "0.20.0 is not released: main is keyed by its commit"
-
-
-# -- main's source: compat/megatron_lm.py unpacks it ---------------------------------------------
-
-def _prepare() -> str | None:
-    return megatron_lm.prepare(COMMIT)
 
 
 # -- the child: every scenario through main's own code ------------------------------------------
@@ -237,19 +230,27 @@ print("RESULT " + json.dumps(R))
 '''
 
 
-@pytest.fixture(scope="module")
-def main_run():
-    why = _prepare()
+def run_driver(commit: str, driver: str, path: tuple[str, ...] = ()) -> dict:
+    """``driver`` in a child interpreter with megatron-core and megatron-fsdp of ``commit`` (and
+    ``path``) on its sys.path, gemm_patch's defaults (no GEMM_PATCH_* of this process); the JSON
+    of its ``RESULT`` line. Skips where that commit's source cannot be had."""
+    why = megatron_lm.prepare(commit)
     if why:
         pytest.skip(why)
+    mcore, mfsdp = megatron_lm.folders(commit)
     env = {k: v for k, v in os.environ.items() if not k.startswith("GEMM_PATCH")}
-    env.update(PYTHONPATH=os.pathsep.join([str(MCORE), str(MFSDP), str(ROOT)]), NO_VCS_VERSION="1",
+    env.update(PYTHONPATH=os.pathsep.join([str(mcore), str(mfsdp), str(ROOT), *path]), NO_VCS_VERSION="1",
                PYTHONWARNINGS="ignore", GEMM_PATCH_LOG_LEVEL="WARNING")
-    out = subprocess.run([sys.executable, "-c", DRIVER], capture_output=True, text=True, env=env, timeout=600,
-                         cwd=str(MCORE))
+    out = subprocess.run([sys.executable, "-c", driver], capture_output=True, text=True, env=env, timeout=600,
+                         cwd=str(mcore))
     line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert out.returncode == 0 and line, out.stderr[-4000:]
     return json.loads(line[len("RESULT "):])
+
+
+@pytest.fixture(scope="module")
+def main_run():
+    return run_driver(COMMIT, DRIVER)
 
 
 def test_main_reports_the_coming_releases_version(main_run):

@@ -9,12 +9,16 @@ own ``DataParallelBuffer`` objects over a one-process gloo group, slices of one 
 ``buffer_all_in_one`` makes them, accumulate micro-batches into them, call the release's own
 ``gradient_reduce_preprocessing`` per micro-batch (the reduce of a one-rank group adds nothing:
 SUM over one rank is the identity, so the collective itself is not needed), then the release's
-own ``ParamAndGradBuffer.update_main_grads`` once, and compare with factor x sum exactly.
+own ``ParamAndGradBuffer.update_main_grads`` once, and compare with factor x sum exactly. Its own
+callers of the preprocessing (``ParamAndGradBuffer.all_reduce_gradients``/``reduce_scatter_gradients``)
+run too: from Megatron-LM PR #6773 on they pass the group's size, and the preprocessing scales a
+one-rank bucket itself.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import tempfile
 import types
@@ -72,17 +76,19 @@ def ddp_config(div_fusion: bool = True, average_in_collective: bool = False):
                                          average_in_collective=average_in_collective)
 
 
-def buffers(dtype=torch.float32, factors=(FACTOR, None, 1.0), size: int = 16):
+def buffers(dtype=torch.float32, factors=(FACTOR, None, 1.0), size: int = 16, module=None):
     """Real DataParallelBuffers over the one-rank WORLD group, one per factor, their data
-    consecutive slices of one allocation (as ``buffer_all_in_one`` gives them)."""
+    consecutive slices of one allocation (as ``buffer_all_in_one`` gives them). ``module``: the
+    param_and_grad_buffer module (megatron-core's by default)."""
     import torch.distributed as dist
 
+    module = module or pgb
     made, whole = [], torch.zeros(size * len(factors), dtype=dtype)
     for i, factor in enumerate(factors):
         param = torch.nn.Parameter(torch.zeros(size, dtype=dtype))
-        buf = pgb.DataParallelBuffer(ddp_config(), [param], is_data_distributed=False, bucket_id=i, dtype=dtype,
-                                     device=torch.device("cpu"), data_parallel_group=dist.group.WORLD,
-                                     gradient_scaling_factor=factor)
+        buf = module.DataParallelBuffer(ddp_config(), [param], is_data_distributed=False, bucket_id=i, dtype=dtype,
+                                        device=torch.device("cpu"), data_parallel_group=dist.group.WORLD,
+                                        gradient_scaling_factor=factor)
         buf.data = whole[i * size:(i + 1) * size]  # init_data's assignment, without its size bookkeeping
         made.append(buf)
     return made
@@ -113,6 +119,26 @@ def update(*owned):
                                                                    parameter_groups=groups))
 
 
+REDUCERS = ("all_reduce_gradients", "reduce_scatter_gradients")  # no_shard's, optim's (once per step)
+
+
+def reduce_through_megatron(method: str, module=None):
+    """A step's micro-batches summed into a one-rank buffer with the factor, then the module's
+    own ``ParamAndGradBuffer.<method>`` (``REDUCERS``), which hands the buffer to
+    ``gradient_reduce_preprocessing`` as that code does and runs the collective over the
+    one-rank group, then its ``update_main_grads``. Returns the buffer's data and factor x sum."""
+    module = module or pgb
+    scaled, _, _ = buffers(module=module)
+    grads = micro_batch_grads(MICRO_BATCHES)
+    for g in grads:
+        scaled.data.add_(g)
+    owner = types.SimpleNamespace(ddp_config=ddp_config(), optimizer_named_parameters=[],
+                                  parameter_groups=[types.SimpleNamespace(main_grad_buffer=scaled)])
+    getattr(module.ParamAndGradBuffer, method)(owner, async_op=False)
+    module.ParamAndGradBuffer.update_main_grads(owner)
+    return scaled.data, FACTOR * torch.stack(grads).sum(0)
+
+
 def test_state_on_this_release():
     assert target_state().state == EXPECT
 
@@ -130,6 +156,22 @@ def test_factor_applied_once_per_step_over_micro_batches():
     assert torch.equal(scaled.data, expected)
     # The neighbouring slices of the same allocation were not touched.
     assert not plain.data.any() and not unit.data.any()
+
+
+def reduces_nothing(method: str, module=None) -> bool:
+    """megatron-core 0.14-0.17's ``all_reduce_gradients`` (0.14-0.15's ``reduce_scatter_gradients``
+    too) skips every buffer: ``if gbuf is not None: continue``."""
+    return "if gbuf is not None:" in inspect.getsource(getattr((module or pgb).ParamAndGradBuffer, method))
+
+
+@needs_patch
+@pytest.mark.parametrize("method", REDUCERS)
+def test_megatrons_own_reduce_scales_once(method):
+    """Megatron's own callers of the preprocessing, as they call it, over the one-rank group."""
+    if reduces_nothing(method):
+        pytest.skip(f"this release's {method} reduces no buffer (upstream: `if gbuf is not None: continue`)")
+    got, expected = reduce_through_megatron(method)
+    assert torch.equal(got, expected)
 
 
 @needs_patch

@@ -39,6 +39,7 @@ TEST_TARGETS: dict[str, tuple[str, ...]] = {
     "test_shared_weights.py": ("fsdp-wgrad", "fsdp-shared-grad", "mfsdp-shared-grad"),
     "test_fine_grained_gather.py": ("fsdp-wgrad", "fsdp-shared-grad", "mfsdp-shared-grad"),
     "test_one_rank_scale.py": ("fsdp-one-rank-scale",),
+    "test_mfsdp_one_rank_scale.py": ("mfsdp-one-rank-scale",),
     "test_apex_wgrad.py": ("apex-wgrad",),
     "test_apex_replace.py": ("apex-wgrad",),
     "test_mcore_main_targets.py": ("fsdp-wgrad-gemm", "fsdp-te-overwrite-by-strategy",

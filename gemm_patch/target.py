@@ -159,6 +159,9 @@ class Target:
     default_on: bool = True  # False: opt-in, the variable must be set to 1
     switch_values: tuple[str, ...] = ()  # named values the variable accepts beside 0/1 (``Config.choice``)
     relies_on: str = "code"  # what the fingerprint covers, in reasons
+    # Fingerprints of upstream code that fixes the defect itself -> the upstream change: such code
+    # reads "not applicable" (nothing to fix), where any other unknown code reads "unverified".
+    fixed_upstream: Mapping[str, str] = field(default_factory=dict)
 
     # States of this target's own beyond the common ones (state -> meaning), and whether each
     # counts as applying to what is installed (shown by `gemm-patch status` without --all).
@@ -235,6 +238,10 @@ class Target:
             return status(SKIPPED, str(exc)), Undo()
         if not found.applicable:
             return status(NOT_APPLICABLE, found.reason, found.fingerprint), Undo()
+        fixed = self.fixed_upstream.get(found.fingerprint or "")
+        if fixed:
+            return status(NOT_APPLICABLE, f"{found.reason}: fixed upstream ({fixed}); nothing to patch",
+                          found.fingerprint), Undo()
         state, reason = self.judge(version, found, cfg)
         if state == UNVERIFIED:
             if cfg.strict:

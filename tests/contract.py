@@ -350,6 +350,26 @@ def check_unknown_code(target: Target, expect: str, strict: bool) -> None:
         assert not steps(target)
 
 
+def check_fixed_upstream(target: Target, expect: str) -> None:
+    """This release's code recorded as fixed upstream (``Target.fixed_upstream``) instead of
+    verified: not applicable, nothing installed, also in strict mode."""
+    if not patched(expect):
+        pytest.skip(f"{target.name} is {expect} here")
+    import_module(target)
+    gemm_patch.apply()
+    fingerprint = state_of(target.name).fingerprint  # of this release's code, as judged
+    assert fingerprint, state_of(target.name)
+    fixed = tuple(dataclasses.replace(t, fingerprints={}, fixed_upstream={fingerprint: "upstream's own fix"})
+                  if t.name == target.name else t for t in REGISTRY)
+    with only(target, registry=fixed):
+        before = Snapshot(scope_modules(target))
+        gemm_patch.apply(strict=True)
+        st = state_of(target.name)
+        assert st.state == NOT_APPLICABLE and "fixed upstream (upstream's own fix)" in st.reason, st.reason
+        assert not before.changed(), describe(before.changed(), before)
+        assert not steps(target)
+
+
 def check_disable(target: Target, expect: str) -> None:
     gemm_patch.revert()
     try:
@@ -421,6 +441,10 @@ def define_tests(namespace: dict, component: str, expected: dict[str, str]) -> N
     @by_target
     def test_unknown_code_is_left_alone(target, strict):
         check_unknown_code(target, expect(target), strict)
+
+    @by_target
+    def test_code_fixed_upstream_is_not_applicable(target):
+        check_fixed_upstream(target, expect(target))
 
     @by_target
     def test_disable_leaves_it_off(target):

@@ -4,8 +4,9 @@ bucket itself, against main at the pinned commit, where gemm_patch does.
 On the PR's head, ``gradient_reduce_preprocessing`` takes the group's size from its callers and,
 for a one-rank group, multiplies the bucket by the factor and reduces with SUM (its PreMulSum
 branch stays for larger groups). fsdp-one-rank-scale and mfsdp-one-rank-scale fingerprint that
-function: the PR changes it, so both read "unverified" there and install nothing. The gradient
-must then be scaled exactly once, by megatron. On main (the fingerprint recorded) gemm_patch
+function: the PR changes it, and its fingerprint is recorded as fixed upstream
+(``Target.fixed_upstream``), so both read "not applicable" there and install nothing. The
+gradient must then be scaled exactly once, by megatron. On main (the fingerprint recorded) gemm_patch
 scales it, once as well.
 
 Each commit's megatron-core and megatron-fsdp are unpacked as tests/test_mcore_main_targets.py
@@ -68,7 +69,7 @@ def main_run():
 
 
 def test_pr_head_scales_once_and_gemm_patch_stays_out(pr_run):
-    assert pr_run["states"] == dict.fromkeys(NAMES, "unverified")
+    assert pr_run["states"] == dict.fromkeys(NAMES, "not applicable")
     for name in NAMES:
         copy = pr_run["copies"][name]
         assert copy["installed"] == ["megatron"], (name, copy)

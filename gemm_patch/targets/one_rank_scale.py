@@ -148,6 +148,8 @@ _COMMON = dict(
     relies_on=f"{FUNCTION}, DataParallelBuffer.__init__ and {BUFFERS}.{UPDATE}",
     owner="DataParallelBuffer",
     attribute="__init__",
+    # Megatron-LM PR #6773 (head c00aacff): the preprocessing scales a one-rank bucket itself.
+    fixed_upstream={"b44447dadb21015e": "Megatron-LM PR #6773 scales a one-rank group's gradient itself"},
 )
 
 TARGET = OneRankScaleTarget(

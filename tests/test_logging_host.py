@@ -37,8 +37,9 @@ def result(proc) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("level", [logging.CRITICAL + 1, 15, 25])
-@pytest.mark.parametrize("when", ["before", "after"])
+# Each unnamed level once, before and after the import both covered (a process each: the
+# level must be in place when megatron's import logs the summary).
+@pytest.mark.parametrize("when, level", [("before", logging.CRITICAL + 1), ("before", 15), ("after", 25)])
 def test_a_host_level_is_kept_and_megatron_imports(when, level):
     proc = run(HOST, when, str(level))
     assert result(proc) == {"level": level, "patched": True}

@@ -63,13 +63,12 @@ def test_an_unreadable_rank_is_logged_once_at_debug(env, caplog):
 IMPORT = "import gemm_patch, megatron.core.tensor_parallel.layers; print('imported')"
 
 
+# One real import per kind of value (test_process_rank reads every value in-process): an
+# unparsable rank (also with DEBUG, below), a padded rank 0, LOCAL_RANK alone.
 @pytest.mark.parametrize("variables, summary_at_info", [
-    ({"RANK": "²"}, False),
     ({"RANK": "x"}, False),
-    ({"RANK": " 3 "}, False),
     ({"RANK": " 0 "}, True),
     ({"LOCAL_RANK": "1"}, False),
-    ({"LOCAL_RANK": "0"}, True),
 ])
 def test_megatron_imports_whatever_the_rank_variables_hold(variables, summary_at_info):
     env = {k: v for k, v in clean_env(megatron=True).items() if k not in ALL}

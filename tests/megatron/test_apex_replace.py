@@ -1,14 +1,27 @@
 """GEMM_PATCH_APEX=replace against the real megatron-core release on PYTHONPATH, with apex's
 extension present (simulated: a module that records its calls instead of running CUDA, as a real
 apex that fails on the device would be): megatron's own layers must reach gemm_patch's stand-in,
-not apex, and revert must give them apex back. Each case runs in a fresh interpreter (the fake
-apex has to be importable before megatron's layers module is)."""
+not apex, and revert must give them apex back. The fake apex has to be importable before
+megatron's layers module is: most cases run in a fresh interpreter; one imports the layers module
+anew in this one, so that the version matrix runs it on every release."""
 
 from __future__ import annotations
 
+import importlib
+import sys
+import types
+from pathlib import Path
+
 import pytest
-from conftest import expected
-from test_apex_wgrad import _FAKE_APEX, _PRELUDE, run_snippet
+from conftest import expected, torch
+from megatron_cpu import build, model_parallel, step
+from test_apex_wgrad import _FAKE_APEX, _PRELUDE, EXT, run_snippet
+
+import gemm_patch
+from gemm_patch.targets.apex_wgrad import STAND_IN, TARGET
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import contract  # noqa: E402
 
 EXPECT_APEX = expected("apex-wgrad")
 pytestmark = pytest.mark.skipif(EXPECT_APEX not in ("verified", "compatible"),
@@ -18,7 +31,7 @@ _RUN = """
 import torch
 from megatron_cpu import build, model_parallel, step
 import megatron.core.tensor_parallel.layers as L
-from gemm_patch.targets.apex_wgrad import STAND_IN
+from gemm_patch.targets.apex_wgrad import STAND_IN, TARGET
 EXT = "fused_weight_gradient_mlp_cuda"
 
 def where():
@@ -76,6 +89,68 @@ def test_replace_routes_a_real_apex_through_gemm_patch_and_revert_gives_it_back(
     assert got["REVERTED"] == ["False False True True True off"], out.stdout
     assert got["CALLS"][1] == str([("fp32", [(36, 64), (36, 80), (80, 64)])]), out.stdout
     assert got["REAPPLIED"] == ["True True False False True replaced"], out.stdout
+
+
+def recording_apex(calls: list) -> types.ModuleType:
+    """A real apex, simulated in this process: megatron's import finds it, and each call is recorded."""
+    fake = types.ModuleType(EXT)
+    fake.wgrad_gemm_accum_fp32 = lambda *a: calls.append(("fp32", [tuple(t.shape) for t in a]))
+    fake.wgrad_gemm_accum_fp16 = lambda *a: calls.append(("fp16", [tuple(t.shape) for t in a]))
+    return fake
+
+
+def test_replace_in_process_on_a_layers_module_imported_with_apex(monkeypatch):
+    """In this interpreter, so on every release of the matrix: megatron's layers module imported
+    anew while apex's extension is importable binds it; GEMM_PATCH_APEX=replace puts the stand-in
+    over it there and in sys.modules, and revert gives it back."""
+    name = TARGET.module
+    package_name, _, short = name.rpartition(".")
+    old, package = sys.modules[name], sys.modules[package_name]
+    calls: list = []
+    fake = recording_apex(calls)
+    monkeypatch.setenv("GEMM_PATCH_APEX", "replace")
+    gemm_patch.revert()
+    try:
+        sys.modules[EXT] = fake
+        del sys.modules[name]
+        fresh = importlib.import_module(name)
+        assert fresh is not old and vars(fresh)[EXT] is fake
+        gemm_patch.apply()
+
+        st = contract.state_of(TARGET.name)
+        assert (st.state, gemm_patch.status().apex) == (EXPECT_APEX, "replaced"), st.reason
+        assert st.reason.startswith("apex real, replaced: fused_weight_gradient_mlp_cuda."), st.reason
+        assert fresh.fused_weight_gradient_mlp_cuda is STAND_IN and sys.modules[EXT] is STAND_IN
+        assert fresh._grad_accum_fusion_available is True
+
+        with model_parallel():
+            layer = build("column")
+            assert type(layer).__module__ == name and isinstance(layer, fresh.ColumnParallelLinear)
+            layer.weight.main_grad = torch.zeros(layer.weight.shape, dtype=torch.float32)
+            ref = step(layer, 1)
+            rel = ((layer.weight.main_grad.double() - ref).norm() / ref.norm()).item()
+            assert rel < 1e-6, rel
+            assert calls == []
+
+            gemm_patch.revert()
+            assert fresh.fused_weight_gradient_mlp_cuda is fake and sys.modules[EXT] is fake
+            assert gemm_patch.status().apex == "off"
+            layer.weight.main_grad = torch.zeros(layer.weight.shape, dtype=torch.float32)
+            step(layer, 2)
+            assert calls == [("fp32", [(36, 64), (36, 80), (80, 64)])]
+
+            gemm_patch.apply()
+            assert fresh.fused_weight_gradient_mlp_cuda is STAND_IN and sys.modules[EXT] is STAND_IN
+            assert gemm_patch.status().apex == "replaced"
+    finally:
+        gemm_patch.revert()
+        sys.modules[name] = old
+        setattr(package, short, old)
+        if sys.modules.get(EXT) is fake:
+            del sys.modules[EXT]
+        monkeypatch.undo()
+        gemm_patch.revert()
+        gemm_patch.apply()
 
 
 def test_default_still_leaves_a_real_apex_untouched():

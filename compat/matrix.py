@@ -246,8 +246,7 @@ def ensure_venv(minor: str) -> Interpreter:
                 return Interpreter(HERE.python, HERE.version, fallback=f"needs >={minor}, no Python {minor} found")
             packages = [_torch_pin(), *VENV_PACKAGES]
             steps = [[base, "-m", "venv", "--clear", str(venv)],
-                     [str(python), "-m", "pip", "install", "-q", "--no-compile", "--disable-pip-version-check",
-                      *packages]]
+                     [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", *packages]]
             for cmd in steps:
                 out = subprocess.run(cmd, capture_output=True, text=True)
                 if out.returncode != 0:
@@ -272,9 +271,10 @@ def ensure_release(release: Release, interpreter: Interpreter = HERE) -> Path:
         if marker.exists():
             return target
         shutil.rmtree(target, ignore_errors=True)
-        # --no-compile: Python compiles the modules a test imports, not the whole tree up front
-        cmd = [interpreter.python, "-m", "pip", "install", "-q", "--no-deps", "--no-compile",
-               "--disable-pip-version-check", "--target", str(target), f"{release.component}=={release.version}"]
+        # pip compiles every module here: a process that imports megatron then reads .pyc files,
+        # also where PYTHONDONTWRITEBYTECODE=1 keeps Python from writing them itself
+        cmd = [interpreter.python, "-m", "pip", "install", "-q", "--no-deps", "--disable-pip-version-check",
+               "--target", str(target), f"{release.component}=={release.version}"]
         if interpreter.fallback or (release.python and _version_tuple(interpreter.version) < _version_tuple(
                 release.python)):
             cmd.insert(4, "--ignore-requires-python")

@@ -457,14 +457,9 @@ def run_matrix(releases: Sequence[Release], jobs: int = JOBS,
     their releases start once theirs is ready, the others fill the workers until then."""
     scope = plan(releases)
     elsewhere = process_elsewhere(releases, scope)
-    # Longest first, so the two workers finish together: whole folders, each component's newest
-    # first (it runs the common process tests too, and, in another interpreter, would otherwise
-    # start last behind that interpreter's other releases), then quick runs; megatron-core first.
-    def order(release: Release) -> tuple[bool, bool, bool]:
-        return (scope[release] is not None, COMMON_ELSEWHERE in elsewhere.get(release, COMMON_ELSEWHERE),
-                release.component != "megatron-core")
-
-    pending = sorted(releases, key=order)
+    # Longest first (whole folders, then quick runs; megatron-core before megatron-fsdp), so
+    # the two workers finish together.
+    pending = sorted(releases, key=lambda r: (scope[r] is not None, r.component != "megatron-core"))
     floors = sorted({r.python for r in pending if r.python and _version_tuple(HERE.version)
                      < _version_tuple(r.python)})
     ready: dict[str | None, Interpreter] = {}

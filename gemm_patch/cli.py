@@ -35,6 +35,8 @@ exit status:
      with the patch turned off (GEMM_PATCH=0); doctor --device cuda where torch has no CUDA
      device
   run: the exit status of COMMAND (127: not found, 126: cannot be started)
+  compare: 0 the two runs agree within the tolerance, 1 they differ (or exactly one of them
+     failed), 2 usage error, a log without megatron's iteration lines, or both runs failed
 
 Each error ends in one line on stderr, starting with "gemm-patch COMMAND:".
 GEMM_PATCH_LOG_LEVEL=DEBUG also logs the warnings that importing megatron raises
@@ -167,6 +169,12 @@ def _run(args: argparse.Namespace) -> int:
     return run(args.cmd)
 
 
+def _compare(args: argparse.Namespace) -> int:
+    from .compare import main as compare_main
+
+    return compare_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
@@ -203,6 +211,19 @@ def build_parser() -> argparse.ArgumentParser:
                        "starts; exits with COMMAND's own status.")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="the command and its arguments")
     p.set_defaults(func=_run)
+    from . import compare
+
+    p = sub.add_parser("compare", help="run a training command twice, fusion on under gemm-patch and fusion "
+                       "off, and compare megatron's loss, grad norm, step time and memory",
+                       usage="gemm-patch compare [OPTIONS] -- COMMAND [ARGS ...]",
+                       description="Run COMMAND twice, one after the other: fusion on under gemm-patch (as\n"
+                       "`gemm-patch run`) and fusion off (megatron as shipped, GEMM_PATCH=0), then print\n"
+                       "megatron's logged loss, grad norm and step time per iteration, its memory report,\n"
+                       "and whether the two agree. Options go before `--`; an option's value that starts\n"
+                       "with '-' is written --off-arg=--flag.", epilog=EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    compare.build_parser(p)
+    p.set_defaults(func=_compare)
     return parser
 
 
@@ -216,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
-        if args.func is not _run:  # the launcher itself stays unpatched: only its command matters
+        if args.func not in (_run, _compare):  # launchers stay unpatched: only their commands matter
             _apply_as_on_import()
         return args.func(args)
     except GemmPatchError as exc:  # strict mode: from apply(), or from a target module's import

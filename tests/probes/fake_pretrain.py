@@ -1,0 +1,71 @@
+"""A stand-in for Megatron-LM's pretrain_gpt.py in tests of `gemm-patch compare` and the
+benchmark runner: prints megatron's iteration lines and memory report (the format of
+megatron-core 0.17.1-0.19.2's training_log and report_memory) for ``--train-iters`` iterations
+(the last occurrence wins, as with argparse) every ``--log-interval``.
+
+Its numbers depend on what the real thing's depend on: whether fusion is off
+(``--no-gradient-accumulation-fusion`` or the override ``model.gradient_accumulation_fusion=false``)
+and, with fusion on, whether gemm-patch's start-up hook is active in this process
+(``gemm-patch run`` installs it; ``GEMM_PATCH=0`` turns gemm-patch off). Fusion on without
+gemm-patch stops as megatron does without apex. With fusion on, the loss and grad norm differ from
+fusion off's by 1e-6 relative (the accumulation difference); ``FAKE_PRETRAIN`` adds a fault:
+``grad_norm`` (the fused grad norm 0.63x, what a lost gradient does), ``silent`` (no megatron
+lines), ``crash_fused`` (the fused run exits 3 after iteration 1), ``memory`` (the fused run
+holds 1002 MB more). ``FAKE_PRETRAIN_ARGV=FILE`` appends this process's argv and state to FILE.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+
+def last_value(argv: list[str], flag: str, default: int) -> int:
+    values = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == flag]
+    return int(values[-1]) if values else default
+
+
+def main(argv: list[str]) -> int:
+    fused = "--no-gradient-accumulation-fusion" not in argv and "model.gradient_accumulation_fusion=false" not in argv
+    patched = "_gemm_patch_startup" in sys.modules and os.environ.get("GEMM_PATCH") != "0"
+    fault = os.environ.get("FAKE_PRETRAIN", "")
+    if os.environ.get("FAKE_PRETRAIN_ARGV"):
+        with open(os.environ["FAKE_PRETRAIN_ARGV"], "a") as f:
+            f.write(json.dumps({"argv": argv, "fused": fused, "patched": patched,
+                                "env": {k: v for k, v in os.environ.items() if k.startswith("GEMM_PATCH")}}) + "\n")
+    iters, interval = last_value(argv, "--train-iters", 20), last_value(argv, "--log-interval", 5)
+    print("using world size: 1, data-parallel size: 1", flush=True)
+    if fused and not patched:
+        print("RuntimeError: ColumnParallelLinear was called with gradient_accumulation_fusion set to True but "
+              "the custom CUDA extension fused_weight_gradient_mlp_cuda module is not found.", flush=True)
+        return 1
+    if fault == "silent":
+        print("training ... done", flush=True)
+        return 0
+    extra_mb = 1002.0 if fused and fault == "memory" else 0.0
+    reported = 0
+    for it in range(1, iters + 1):
+        if it != 1 and it % interval:
+            continue
+        loss = 5.78 * math.exp(-0.05 * it) * (1 + 1e-6 * fused)
+        grad_norm = 25.7 / it * (0.63 if fused and fault == "grad_norm" else 1.0)
+        ms = (5918.5 if it == 1 else 300.0 + (it % 3)) - (5.0 if fused else 0.0)
+        print(f" [2026-12-01 15:40:28.567484] iteration {it:8d}/{iters:8d} | consumed samples: {32 * it:12d} | "
+              f"elapsed time per iteration (ms): {ms:.1f} | learning rate: 2.000000E-04 | global batch size:    32 | "
+              f"lm loss: {loss:.6E} | loss scale: 1.0 | grad norm: {grad_norm:.3f} | num zeros: 0 | "
+              f"number of skipped iterations:   0 | number of nan iterations:   0 |", flush=True)
+        if reported < 2:
+            reported += 1
+            print(f"[Rank 0] (after {it} iterations) memory (MB) | allocated: {323.11 + extra_mb:.2f} | max allocated: "
+                  f"{578.22 + 101.71 * (reported - 1) + extra_mb:.2f} | reserved: 668.00 | max reserved: 668.00",
+                  flush=True)
+        if fused and fault == "crash_fused":
+            print("RuntimeError: CUDA error: an illegal memory access was encountered", flush=True)
+            return 3
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,7 +1,8 @@
 """A stand-in for Megatron-LM's pretrain_gpt.py in tests of `gemm-patch compare` and the
 benchmark runner: prints megatron's iteration lines and memory report (the format of
 megatron-core 0.17.1-0.19.2's training_log and report_memory) for ``--train-iters`` iterations
-(the last occurrence wins, as with argparse) every ``--log-interval``.
+(the last occurrence wins, as with argparse) every ``--log-interval``; the memory report after the
+first two logged iterations and every ``--log-memory-interval``.
 
 Its numbers depend on what the real thing's depend on: whether fusion is off
 (``--no-gradient-accumulation-fusion`` or the override ``model.gradient_accumulation_fusion=false``)
@@ -36,6 +37,7 @@ def main(argv: list[str]) -> int:
             f.write(json.dumps({"argv": argv, "fused": fused, "patched": patched,
                                 "env": {k: v for k, v in os.environ.items() if k.startswith("GEMM_PATCH")}}) + "\n")
     iters, interval = last_value(argv, "--train-iters", 20), last_value(argv, "--log-interval", 5)
+    memory_interval = last_value(argv, "--log-memory-interval", 0)
     print("using world size: 1, data-parallel size: 1", flush=True)
     if fused and not patched:
         print("RuntimeError: ColumnParallelLinear was called with gradient_accumulation_fusion set to True but "
@@ -56,10 +58,10 @@ def main(argv: list[str]) -> int:
               f"elapsed time per iteration (ms): {ms:.1f} | learning rate: 2.000000E-04 | global batch size:    32 | "
               f"lm loss: {loss:.6E} | loss scale: 1.0 | grad norm: {grad_norm:.3f} | num zeros: 0 | "
               f"number of skipped iterations:   0 | number of nan iterations:   0 |", flush=True)
-        if reported < 2:
+        if reported < 2 or (memory_interval and it % memory_interval == 0):
             reported += 1
             print(f"[Rank 0] (after {it} iterations) memory (MB) | allocated: {323.11 + extra_mb:.2f} | max allocated: "
-                  f"{578.22 + 101.71 * (reported - 1) + extra_mb:.2f} | reserved: 668.00 | max reserved: 668.00",
+                  f"{578.22 + 101.71 * min(reported - 1, 1) + extra_mb:.2f} | reserved: 668.00 | max reserved: 668.00",
                   flush=True)
         if fused and fault == "crash_fused":
             print("RuntimeError: CUDA error: an illegal memory access was encountered", flush=True)

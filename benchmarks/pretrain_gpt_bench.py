@@ -1,0 +1,311 @@
+#!/usr/bin/env python
+"""Step time and memory of Megatron-LM's own pretrain_gpt.py, the user's entry point: fusion off
+(megatron as shipped) against fusion on under gemm-patch, tied and untied embeddings, each of
+gemm-patch's fixes switched off alone, bf16 main grads; one process at a time on one GPU.
+
+    python benchmarks/pretrain_gpt_bench.py --out OUT/pretrain_gpt.jsonl [--plan core,untied] [--rounds 3]
+        [--size hidden4096|hidden2048] [--iters N] [--upstream DIR] [--kit /tmp/gp] [--dry]
+    python benchmarks/pretrain_gpt_bench.py --summary OUT/pretrain_gpt.jsonl     # the table, from records
+
+Model (``--size``): ``hidden4096``: 4 layers, hidden 4096, FFN 16384, 32 heads, sequence 4096,
+micro-batch 1, global batch 4 (4 micro-batches), vocabulary 128256; ``hidden2048``: hidden 2048,
+FFN 8192, 16 heads, sequence 2048, micro-batch 2, global batch 8, vocabulary 384 (the byte
+vocabulary of validation/convergence's speed mode, padded). Megatron-FSDP ``optim_grads_params``,
+fp32 main grads, bf16, TE layers, mock data (``--mock-data``), NullTokenizer (``--vocab-size`` is
+the vocabulary minus one on 0.17.x, which adds the end-of-document id, and the vocabulary on
+0.19.x), no evaluation, ``--log-interval 5``. Megatron prints its memory report after iteration 1
+and the next logged one (``report_memory_flag`` in training.py's ``training_log``) and, with
+``--log-memory-interval N``, every N iterations: the runs pass N = ``--iters``, so the last report
+is after the last iteration (allocated: what lives between steps; max allocated: the peak).
+
+Configurations (``config`` in the records): ``fusion_off`` (``--no-gradient-accumulation-fusion``,
+``GEMM_PATCH=0``: megatron alone), ``patched`` (fusion on under ``gemm-patch run``), ``bf16_grads``
+(the same with ``--megatron-fsdp-main-grads-dtype bf16``), ``no_<switch>`` (patched with one fix
+off: ``GEMM_PATCH_SHARED_GRAD=0``, ``GEMM_PATCH_TE_OVERWRITE=0``, ``GEMM_PATCH_FSDP_DUMMY_GRAD=0``,
+``GEMM_PATCH_TE_DUMMY_WGRAD=0``); tied (pretrain_gpt's default) or untied
+(``--untie-embeddings-and-output-weights``).
+
+``--plan``: comma-separated cells ``RELEASE:tied|untied:CONFIG`` (``*`` for any) or named sets
+(PLANS: ``core``, ``untied``, ``fixes``, ``release-0.17.1``, ``full``). Each round runs every cell
+once, the order turned by one each round (so no cell always runs first on a cold GPU). Every
+finished process appends one JSON record to ``--out`` at once (entry, release, size, hidden, vocab,
+tied, config, round, step_ms: the median of megatron's logged per-iteration times after the
+iteration-1 line, allocated_gib and max_allocated_gib of the last memory report, iterations, rc,
+error, command, ...), so a cut-off call keeps what finished; no process starts after
+``--deadline`` seconds, and each has ``--proc-limit`` seconds. The GPU kit of
+validation/convergence/run.sh is used as there: PYTHONPATH=KIT/mcXYZ:KIT/site:this checkout, the
+no-op Makefile in megatron/core/datasets, NCCL_NVLS_ENABLE=0; pretrain_gpt.py and its neighbours
+from ``--upstream`` (default validation/convergence/_upstream, one folder per release).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import os
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "validation" / "convergence"))
+from parse_logs import ERROR_RE, _first_cause  # noqa: E402  (the convergence runs' error line)
+
+from gemm_patch.compare import parse_log  # noqa: E402
+
+SIZES: dict[str, dict[str, int]] = {
+    "hidden4096": {"layers": 4, "hidden": 4096, "ffn": 16384, "heads": 32, "seq": 4096, "mbs": 1, "gbs": 4,
+                   "vocab": 128256, "iters": 30},
+    "hidden2048": {"layers": 4, "hidden": 2048, "ffn": 8192, "heads": 16, "seq": 2048, "mbs": 2, "gbs": 8,
+                   "vocab": 384, "iters": 100},
+}
+SWITCHES = {"no_shared_grad": "GEMM_PATCH_SHARED_GRAD", "no_te_overwrite": "GEMM_PATCH_TE_OVERWRITE",
+            "no_fsdp_dummy_grad": "GEMM_PATCH_FSDP_DUMMY_GRAD", "no_te_dummy_wgrad": "GEMM_PATCH_TE_DUMMY_WGRAD"}
+CONFIGS: dict[str, dict[str, Any]] = {
+    "fusion_off": {"env": {"GEMM_PATCH": "0"}, "args": ["--no-gradient-accumulation-fusion"]},
+    "patched": {"env": {}, "args": []},
+    "bf16_grads": {"env": {}, "args": ["--megatron-fsdp-main-grads-dtype", "bf16"]},
+    **{config: {"env": {var: "0"}, "args": []} for config, var in SWITCHES.items()},
+}
+RELEASES = ("0.19.2", "0.17.1")
+PLANS = {
+    "core": ["0.19.2:tied:fusion_off", "0.19.2:tied:patched"],
+    "untied": ["0.19.2:untied:fusion_off", "0.19.2:untied:patched"],
+    "fixes": ["0.19.2:tied:bf16_grads", *(f"0.19.2:tied:{c}" for c in SWITCHES)],
+    "release-0.17.1": [f"0.17.1:{t}:{c}" for t in ("tied", "untied") for c in ("fusion_off", "patched")],
+}
+PLANS["full"] = [cell for name in ("core", "untied", "fixes", "release-0.17.1") for cell in PLANS[name]]
+LOG_INTERVAL = 5
+LAUNCHER = "{python} -m torch.distributed.run --standalone --nproc-per-node 1"
+GIB = 1024.0
+
+
+def cells(plan: str) -> list[tuple[str, bool, str]]:
+    """(release, tied, config) per cell of the plan, in plan order, each once."""
+    every = [(r, t, c) for r in RELEASES for t in ("tied", "untied") for c in CONFIGS]
+    out: list[tuple[str, bool, str]] = []
+    for item in filter(None, (p.strip() for p in plan.split(","))):
+        patterns = PLANS.get(item, [item])
+        for pattern in patterns:
+            parts = pattern.split(":")
+            if len(parts) != 3:
+                raise SystemExit(f"--plan: {item!r} is neither a named plan ({', '.join(PLANS)}) nor "
+                                 "RELEASE:tied|untied:CONFIG")
+            hits = [cell for cell in every if all(fnmatch.fnmatchcase(v, p) for v, p in zip(cell, parts, strict=True))]
+            if not hits:
+                raise SystemExit(f"--plan: {pattern!r} matches no cell; releases {', '.join(RELEASES)}, "
+                                 f"tied or untied, configs {', '.join(CONFIGS)}")
+            out += [(r, t == "tied", c) for r, t, c in hits if (r, t == "tied", c) not in out]
+    return out
+
+
+def schedule(plan_cells: list[tuple[str, bool, str]], rounds: int) -> list[tuple[int, tuple[str, bool, str]]]:
+    """(round, cell) in run order: round r runs the cells turned by r - 1."""
+    n = len(plan_cells)
+    return [(r, plan_cells[(i + r - 1) % n]) for r in range(1, rounds + 1) for i in range(n)]
+
+
+def pretrain_args(release: str, size: dict[str, int], tied: bool, iters: int) -> list[str]:
+    vocab = size["vocab"] - 1 if release.startswith(("0.15.", "0.16.", "0.17.")) else size["vocab"]
+    args = [
+        "--num-layers", size["layers"], "--hidden-size", size["hidden"], "--num-attention-heads", size["heads"],
+        "--ffn-hidden-size", size["ffn"], "--seq-length", size["seq"], "--max-position-embeddings", size["seq"],
+        "--micro-batch-size", size["mbs"], "--global-batch-size", size["gbs"], "--train-iters", iters,
+        "--lr", "1e-4", "--min-lr", "1e-5", "--lr-decay-style", "cosine", "--lr-warmup-iters", "5",
+        "--weight-decay", "0.1", "--clip-grad", "1.0", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
+        "--init-method-std", "0.02", "--bf16", "--transformer-impl", "transformer_engine",
+        "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
+        "--megatron-fsdp-main-grads-dtype", "fp32", "--use-distributed-optimizer", "--ckpt-format", "fsdp_dtensor",
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", vocab, "--make-vocab-size-divisible-by", "128",
+        "--mock-data", "--num-workers", "1", "--eval-iters", "0", "--eval-interval", iters,
+        "--log-interval", LOG_INTERVAL, "--log-memory-interval", iters,
+        "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1", "--seed", "1234",
+    ]
+    if not tied:
+        args.append("--untie-embeddings-and-output-weights")
+    return [str(a) for a in args]
+
+
+def process(cell: tuple[str, bool, str], size: dict[str, int], iters: int, opts: argparse.Namespace
+            ) -> tuple[list[str], dict[str, str], Path]:
+    """The command, the environment variables it sets, and its working directory."""
+    release, tied, config = cell
+    launcher = shlex.split(opts.launcher.format(python=opts.python))
+    command = [opts.python, "-m", "gemm_patch", "run", "--", *launcher, "pretrain_gpt.py",
+               *pretrain_args(release, size, tied, iters), *CONFIGS[config]["args"]]
+    return command, dict(CONFIGS[config]["env"]), Path(opts.upstream) / release
+
+
+def environment(release: str, kit: str | None, config_env: dict[str, str]) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("GEMM_PATCH") and k != "CUDA_DEVICE_MAX_CONNECTIONS"}
+    path = [str(ROOT)]
+    if kit:
+        path = [f"{kit}/mc{release.replace('.', '')}", f"{kit}/site", *path]
+    elif env.get("PYTHONPATH"):
+        path.append(env["PYTHONPATH"])
+    env.update(PYTHONPATH=os.pathsep.join(path), NCCL_NVLS_ENABLE="0", PYTHONUNBUFFERED="1", **config_env)
+    return env
+
+
+def prepare_kit(release: str, kit: str | None) -> None:
+    """megatron's initialize runs `make` in megatron/core/datasets; the wheel ships the compiled
+    helpers without the Makefile: a no-op one lets that step pass (as run.sh does)."""
+    if kit:
+        datasets = Path(kit) / f"mc{release.replace('.', '')}" / "megatron" / "core" / "datasets"
+        if datasets.is_dir() and not (datasets / "Makefile").exists():
+            (datasets / "Makefile").write_text("default:\n\t@true\n")
+
+
+def run_one(command: list[str], env: dict[str, str], cwd: Path, log_path: Path, limit: float) -> tuple[int, float]:
+    t0 = time.monotonic()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(command, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = 124
+            log.write(f"\nTIMEOUT: killed after {limit:.0f} s\n")
+    return rc, round(time.monotonic() - t0, 1)
+
+
+def record(cell: tuple[str, bool, str], rnd: int, size_name: str, iters: int, command: list[str],
+           env: dict[str, str], rc: int, seconds: float, log_path: Path) -> dict[str, Any]:
+    release, tied, config = cell
+    size = SIZES[size_name]
+    text = log_path.read_text(errors="replace")
+    log = parse_log(text)
+    mem = log.last_memory()
+    errors = ERROR_RE.findall(text)
+    error = _first_cause(errors) if errors and rc != 0 else None
+    if rc == 124:
+        error = "timed out (--proc-limit)"
+    elif rc != 0 and not error:
+        error = f"exit code {rc}"
+    elif rc == 0 and not log.iterations:
+        error = "no megatron iteration line in the log"
+    return {
+        "entry": "pretrain_gpt", "release": release, "size": size_name, "hidden": size["hidden"],
+        "vocab": size["vocab"], "seq": size["seq"], "layers": size["layers"], "micro_batch_size": size["mbs"],
+        "global_batch_size": size["gbs"], "tied": tied, "config": config, "round": rnd,
+        "step_ms": log.step_ms(), "step_ms_intervals": [it.step_ms for it in log.iterations],
+        "allocated_gib": round(mem.allocated_mb / GIB, 4) if mem else None,
+        "max_allocated_gib": round(mem.max_allocated_mb / GIB, 4) if mem else None,
+        "reserved_gib": round(mem.reserved_mb / GIB, 4) if mem else None,
+        "memory_after": mem.after if mem else None,
+        "iterations": max((it.iteration for it in log.iterations), default=0), "train_iters": iters,
+        "rc": rc, "error": error, "seconds": seconds, "env": env,
+        "command": " ".join([*(f"{k}={v}" for k, v in env.items()), shlex.join(command)]),
+        "gemm_patch_lines": log.gemm_patch_lines, "log": str(log_path),
+        "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def summary(records: list[dict[str, Any]]) -> str:
+    """One line per (size, release, tied, config): median step time over rounds, against fusion
+    off of the same model, and memory against fusion off's."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for r in records:
+        if r["rc"] == 0 and r["step_ms"] is not None:
+            groups.setdefault((r["hidden"], r["release"], r["tied"], r["config"]), []).append(r)
+    lines = ["hidden | release | tied | config | rounds | step ms (median; each round) | vs fusion off | "
+             "allocated GiB | max allocated GiB | allocated - fusion off | max allocated - fusion off"]
+    for key in sorted(groups, key=lambda k: (k[0], k[1], not k[2], list(CONFIGS).index(k[3]))):
+        rs = sorted(groups[key], key=lambda r: r["round"])
+        ms = statistics.median(r["step_ms"] for r in rs)
+        off = groups.get((*key[:3], "fusion_off"))
+        ratio = f"{ms / statistics.median(r['step_ms'] for r in off):.3f}" if off else "-"
+        alloc, peak = (max(r[k] for r in rs) for k in ("allocated_gib", "max_allocated_gib"))
+        d_alloc = f"{alloc - max(r['allocated_gib'] for r in off):+.3f}" if off else "-"
+        d_peak = f"{peak - max(r['max_allocated_gib'] for r in off):+.3f}" if off else "-"
+        each = " / ".join(f"{r['step_ms']:.1f}" for r in rs)
+        lines.append(f"{key[0]} | {key[1]} | {'tied' if key[2] else 'untied'} | {key[3]} | {len(rs)} | {ms:.1f} "
+                     f"({each}) | {ratio} | {alloc:.3f} | {peak:.3f} | {d_alloc} | {d_peak}")
+    failed = [r for r in records if r["rc"] != 0 or r["step_ms"] is None]
+    lines += [f"FAILED {r['release']} {'tied' if r['tied'] else 'untied'} {r['config']} round {r['round']}: "
+              f"rc={r['rc']} {r['error']}" for r in failed]
+    return "\n".join(lines)
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, help="JSONL file the records are appended to")
+    p.add_argument("--plan", default="core", help="cells or named plans, comma-separated (default: core)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--size", choices=tuple(SIZES), default="hidden4096")
+    p.add_argument("--iters", type=int, help="training iterations per process (default: 30 at hidden 4096, "
+                   "100 at hidden 2048); a multiple of 5, the log interval")
+    p.add_argument("--upstream", default=str(ROOT / "validation" / "convergence" / "_upstream"),
+                   help="folder with one RELEASE/ folder holding pretrain_gpt.py and its neighbours")
+    p.add_argument("--kit", default=None, help="the GPU kit's folder (/tmp/gp on the H200): KIT/mcXYZ, KIT/site")
+    p.add_argument("--python", default="python3")
+    p.add_argument("--launcher", default=LAUNCHER, help=f"what starts pretrain_gpt.py (default: '{LAUNCHER}')")
+    p.add_argument("--logs", type=Path, help="per-process logs (default: OUT's folder/logs)")
+    p.add_argument("--proc-limit", type=float, default=150.0, help="seconds per process")
+    p.add_argument("--deadline", type=float, default=540.0, help="no process starts after this many seconds")
+    p.add_argument("--dry", action="store_true", help="print the commands, run nothing")
+    p.add_argument("--summary", type=Path, metavar="JSONL", help="print the table of these records and exit")
+    a = p.parse_args(argv)
+    if a.summary:
+        print(summary(read_records(a.summary)))
+        return 0
+    size = SIZES[a.size]
+    iters = a.iters or size["iters"]
+    if iters % LOG_INTERVAL:
+        p.error(f"--iters {iters}: must be a multiple of {LOG_INTERVAL} (megatron requires "
+                "--log-memory-interval to be a multiple of --log-interval)")
+    runs = schedule(cells(a.plan), a.rounds)
+    if not a.dry and not a.out:
+        p.error("--out is required (or --dry)")
+    logs = a.logs or (a.out.parent / "logs" if a.out else Path("logs"))
+    t0, done = time.monotonic(), []
+    for rnd, cell in runs:
+        release, tied, config = cell
+        command, config_env, cwd = process(cell, size, iters, a)
+        name = f"{a.size}_{release}_{'tied' if tied else 'untied'}_{config}_r{rnd}"
+        shown = " ".join([f"cd {shlex.quote(str(cwd))} &&", *(f"{k}={v}" for k, v in config_env.items()),
+                          shlex.join(command)])
+        if a.dry:
+            print(f"# {name}\n{shown}")
+            continue
+        if time.monotonic() - t0 > a.deadline:
+            print(f"== {name}: skipped, {time.monotonic() - t0:.0f} s > --deadline {a.deadline:.0f}", flush=True)
+            continue
+        if not (cwd / "pretrain_gpt.py").is_file():
+            raise SystemExit(f"{cwd}/pretrain_gpt.py not found: --upstream must hold RELEASE/pretrain_gpt.py "
+                             "(validation/convergence/README.md, Reproduce)")
+        prepare_kit(release, a.kit)
+        logs.mkdir(parents=True, exist_ok=True)
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        rc, seconds = run_one(command, environment(release, a.kit, config_env), cwd, logs / f"{name}.log",
+                              a.proc_limit)
+        rec = record(cell, rnd, a.size, iters, command, config_env, rc, seconds, logs / f"{name}.log")
+        with open(a.out, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        done.append(rec)
+        print(f"== {name}: rc={rc} {seconds:.0f} s step_ms={rec['step_ms']} allocated={rec['allocated_gib']} "
+              f"max_allocated={rec['max_allocated_gib']} GiB" + (f" error={rec['error']}" if rec["error"] else ""),
+              flush=True)
+    if done:
+        print(summary(done))
+    return 0 if all(r["rc"] == 0 and r["step_ms"] is not None for r in done) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""benchmarks/pretrain_gpt_bench.py on the CPU: the plan and its turning order, the commands
+(--dry), and the records it appends as each process finishes, against the fake pretrain_gpt.py
+(tests/probes/fake_pretrain.py) under the real ``gemm-patch run``; the chart where matplotlib is
+installed."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import pretrain_gpt_bench as bench  # noqa: E402
+
+FAKE = ROOT / "tests" / "probes" / "fake_pretrain.py"
+
+
+def test_the_full_plan_is_the_issue_set_and_the_order_turns_each_round():
+    full = bench.cells("full")
+    assert len(full) == 13 and len(set(full)) == 13
+    assert {c for r, t, c in full if r == "0.19.2" and t} == set(bench.CONFIGS)
+    assert {(r, t, c) for r, t, c in full if r == "0.17.1"} == {
+        ("0.17.1", t, c) for t in (True, False) for c in ("fusion_off", "patched")}
+    assert bench.cells("0.19.2:*:patched,core") == [("0.19.2", True, "patched"), ("0.19.2", False, "patched"),
+                                                     ("0.19.2", True, "fusion_off")]
+    two = bench.cells("core")
+    assert [cell[2] for _, cell in bench.schedule(two, 3)] == ["fusion_off", "patched", "patched", "fusion_off",
+                                                               "fusion_off", "patched"]
+    with pytest.raises(SystemExit, match="matches no cell"):
+        bench.cells("0.19.2:tied:no_such_config")
+
+
+def test_dry_prints_each_command(capsys):
+    assert bench.main(["--dry", "--plan", "0.17.1:untied:fusion_off,0.19.2:tied:no_shared_grad", "--rounds", "1",
+                       "--upstream", "/up"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "# hidden4096_0.17.1_untied_fusion_off_r1"
+    off, fix = out[1], out[3]
+    assert off.startswith("cd /up/0.17.1 && GEMM_PATCH=0 python3 -m gemm_patch run -- python3 -m torch.distributed.run")
+    assert "--vocab-size 128255 " in off  # 0.17.x's NullTokenizer adds one: 128256 in the model
+    assert off.endswith("--untie-embeddings-and-output-weights --no-gradient-accumulation-fusion")
+    assert fix.startswith("cd /up/0.19.2 && GEMM_PATCH_SHARED_GRAD=0 python3 -m gemm_patch run -- ")
+    assert "--vocab-size 128256 " in fix and "untie" not in fix
+    assert "--train-iters 30 " in fix and "--log-interval 5 --log-memory-interval 30 " in fix
+    assert bench.main(["--dry", "--size", "hidden2048", "--plan", "core", "--rounds", "1"]) == 0
+    h2048 = capsys.readouterr().out
+    assert "--hidden-size 2048 --num-attention-heads 16 --ffn-hidden-size 8192 --seq-length 2048" in h2048
+    assert "--micro-batch-size 2 --global-batch-size 8 --train-iters 100 " in h2048 and "--vocab-size 384 " in h2048
+
+
+@pytest.fixture
+def upstream(tmp_path, monkeypatch):
+    for release in bench.RELEASES:
+        (tmp_path / "up" / release).mkdir(parents=True)
+        shutil.copy(FAKE, tmp_path / "up" / release / "pretrain_gpt.py")
+    monkeypatch.setenv("FAKE_PRETRAIN_ARGV", str(tmp_path / "argv.jsonl"))
+    return tmp_path
+
+
+def run_bench(tmp: Path, plan: str, *extra: str) -> tuple[int, list[dict]]:
+    out = tmp / "records.jsonl"
+    code = bench.main(["--out", str(out), "--plan", plan, "--rounds", "1", "--iters", "10", "--python",
+                       sys.executable, "--launcher", "{python}", "--upstream", str(tmp / "up"), *extra])
+    return code, bench.read_records(out)
+
+
+def test_each_process_appends_its_record(upstream, monkeypatch, capsys):
+    monkeypatch.setenv("FAKE_PRETRAIN", "memory")  # the fused runs hold 1002 MB more
+    code, records = run_bench(upstream, "0.19.2:tied:fusion_off,0.19.2:tied:patched,0.19.2:untied:no_te_dummy_wgrad,"
+                                        "0.17.1:tied:bf16_grads")
+    assert code == 0
+    assert [(r["release"], r["tied"], r["config"]) for r in records] == [
+        ("0.19.2", True, "fusion_off"), ("0.19.2", True, "patched"), ("0.19.2", False, "no_te_dummy_wgrad"),
+        ("0.17.1", True, "bf16_grads")]
+    off, patched, fix, bf16 = records
+    for r in records:
+        assert r["entry"] == "pretrain_gpt" and r["hidden"] == 4096 and r["vocab"] == 128256 and r["round"] == 1
+        assert r["iterations"] == 10 and r["rc"] == 0 and r["error"] is None and r["memory_after"] == 10
+    assert off["step_ms"] == 301.5 and patched["step_ms"] == 296.5  # medians of the lines after iteration 1
+    assert off["allocated_gib"] == round(323.11 / 1024, 4)
+    assert patched["allocated_gib"] == round((323.11 + 1002) / 1024, 4)
+    assert patched["max_allocated_gib"] == round((679.93 + 1002) / 1024, 4)
+    assert off["env"] == {"GEMM_PATCH": "0"} and fix["env"] == {"GEMM_PATCH_TE_DUMMY_WGRAD": "0"}
+    assert bf16["command"].endswith("--megatron-fsdp-main-grads-dtype bf16")
+    seen = [json.loads(line) for line in (upstream / "argv.jsonl").read_text().splitlines()]
+    assert [(s["fused"], s["patched"]) for s in seen] == [(False, False), (True, True), (True, True), (True, True)]
+    assert seen[2]["argv"][-1] == "--untie-embeddings-and-output-weights"
+    assert seen[3]["argv"][seen[3]["argv"].index("--vocab-size") + 1] == "128255"
+    table = capsys.readouterr().out
+    assert "4096 | 0.19.2 | tied | patched | 1 | 296.5 (296.5) | 0.983 | 1.294 | 1.643 | +0.979 | +0.979" in table
+
+
+def test_a_failed_process_is_recorded_with_its_error(upstream, monkeypatch, capsys):
+    monkeypatch.setenv("FAKE_PRETRAIN", "crash_fused")
+    code, (rec,) = run_bench(upstream, "0.19.2:tied:patched")
+    assert code == 1
+    assert rec["rc"] == 3 and rec["error"] == "RuntimeError: CUDA error: an illegal memory access was encountered"
+    assert "FAILED 0.19.2 tied patched round 1: rc=3" in capsys.readouterr().out
+
+
+def test_chart(tmp_path):
+    pytest.importorskip("matplotlib")
+    import plot_pretrain_gpt_bench as plot
+
+    base = {"entry": "pretrain_gpt", "release": "0.19.2", "hidden": 4096, "layers": 4, "rc": 0}
+    records = [{**base, "tied": tied, "config": config, "round": rnd, "step_ms": ms + rnd,
+                "allocated_gib": gib, "max_allocated_gib": gib + 5}
+               for rnd in (1, 2, 3)
+               for tied, config, ms, gib in ((True, "fusion_off", 324.0, 22.7), (True, "patched", 316.0, 22.7),
+                                             (False, "fusion_off", 338.0, 31.5), (False, "patched", 331.0, 31.5))]
+    src = tmp_path / "r.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert plot.main(str(src), str(tmp_path / "chart.png")) == 0
+    assert (tmp_path / "chart.png").stat().st_size > 10_000

@@ -1,7 +1,9 @@
 """Parse pretrain_gpt.py logs written by run.sh into result records.
 
     python validation/convergence/parse_logs.py --release 0.17.1 --mode convergence --logs DIR --out FILE
+    python validation/convergence/parse_logs.py --release 0.19.2 --mode seeds --log DIR/patched_s1236.log --out FILE
     python validation/convergence/parse_logs.py --merge FILE... --out validation/convergence/results.json
+    python validation/convergence/parse_logs.py --pairs FILE...     # same-seed pairs, patched - fusion off
 
 One record per log: release, strategy, mode, run (the log's name), config (patched / fusion_off /
 correctness_off / unpatched / dry; MoE runs take the same names, speed runs speed_patched /
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import statistics
@@ -83,26 +86,57 @@ def parse_log(text: str) -> dict:
     }
 
 
-def parse_dir(logs: str, release: str, mode: str) -> list[dict]:
-    versions = {}
+def read_versions(logs: str) -> dict:
     vpath = os.path.join(logs, "versions.json")
-    if os.path.exists(vpath):
-        with open(vpath) as f:
-            versions = json.load(f)
-    records = []
-    for fn in sorted(os.listdir(logs)):
-        if not fn.endswith(".log"):
-            continue
-        name = fn[:-4]
-        with open(os.path.join(logs, fn), errors="replace") as f:
-            rec = parse_log(f.read())
-        config, seed = config_of(name)
-        rec = {"release": release, "strategy": "optim_grads_params", "mode": mode, "run": name,
-               "config": config, **rec, "versions": versions}
-        if rec["seed"] is None:
-            rec["seed"] = seed
-        records.append(rec)
-    return records
+    if not os.path.exists(vpath):
+        return {}
+    with open(vpath) as f:
+        text = f.read()
+    try:
+        return json.loads(text)
+    except ValueError:  # the versions step failed (run.sh hides its errors): keep what it printed
+        return {"unreadable": text[:400]}
+
+
+def parse_file(path: str, release: str, mode: str, versions: dict) -> dict:
+    """The record of one log; its name (without .log) is the run's."""
+    name = os.path.basename(path)[: -len(".log")]
+    with open(path, errors="replace") as f:
+        rec = parse_log(f.read())
+    config, seed = config_of(name)
+    rec = {"release": release, "strategy": "optim_grads_params", "mode": mode, "run": name,
+           "config": config, **rec, "versions": versions}
+    if rec["seed"] is None:
+        rec["seed"] = seed
+    return rec
+
+
+def parse_dir(logs: str, release: str, mode: str) -> list[dict]:
+    versions = read_versions(logs)
+    return [parse_file(os.path.join(logs, fn), release, mode, versions)
+            for fn in sorted(os.listdir(logs)) if fn.endswith(".log")]
+
+
+def pairs(records: list[dict]) -> list[str]:
+    """Same-seed pairs: per (release, mode, seed) with a patched and a fusion_off run that both
+    reached a final validation loss, patched - fusion off; then how many are positive, their mean
+    and the two-sided sign-test probability of at least that lopsided a count were each sign a coin toss."""
+    final = {}
+    for r in records:
+        if r["config"] in ("patched", "fusion_off") and r.get("final_val_loss") is not None and r.get("seed"):
+            final[(r["release"], r["mode"], r["seed"], r["config"])] = r["final_val_loss"]
+    lines, diffs = [], []
+    for (rel, mode, seed, config), loss in sorted(final.items()):
+        off = final.get((rel, mode, seed, "fusion_off"))
+        if config == "patched" and off is not None:
+            diffs.append(loss - off)
+            lines.append(f"{rel} {mode} seed {seed}: patched {loss:.4f} fusion off {off:.4f} diff {loss - off:+.4f}")
+    if diffs:
+        n, pos = len(diffs), sum(d > 0 for d in diffs)
+        tail = sum(math.comb(n, k) for k in range(max(pos, n - pos), n + 1)) / 2 ** n
+        lines.append(f"{n} pairs: {pos} positive, mean {statistics.mean(diffs):+.4f}, median "
+                     f"{statistics.median(diffs):+.4f}, sign test p = {min(1.0, 2 * tail):.3f}")
+    return lines
 
 
 def main(argv=None) -> None:
@@ -110,15 +144,28 @@ def main(argv=None) -> None:
     ap.add_argument("--release")
     ap.add_argument("--mode", default="convergence")
     ap.add_argument("--logs")
+    ap.add_argument("--log", help="one log (its folder's versions.json is read): a records file of that run alone")
     ap.add_argument("--merge", nargs="*", help="record files to concatenate")
+    ap.add_argument("--pairs", nargs="*", help="record files: print the same-seed pairs (patched - fusion off)")
     ap.add_argument("--data", help="make_data.py's JSON summary to store (without its file list) as 'data'")
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out")
     a = ap.parse_args(argv)
+    if a.pairs:
+        records = []
+        for path in a.pairs:
+            with open(path) as f:
+                records += json.load(f)["runs"]
+        print("\n".join(pairs(records)))
+        return
+    if not a.out:
+        ap.error("--out is required")
     if a.merge:
         records = []
         for path in a.merge:
             with open(path) as f:
                 records += json.load(f)["runs"]
+    elif a.log:
+        records = [parse_file(a.log, a.release, a.mode, read_versions(os.path.dirname(a.log)))]
     else:
         records = parse_dir(a.logs, a.release, a.mode)
     result = {"runs": records}

@@ -11,6 +11,10 @@
 #   the order turning each round.
 # MODE moe: 8 experts, --moe-grouped-gemm, a 20-iteration dry run, then 3 seeds (MOE_SEEDS) of each
 #   configuration in MOE_CONFIGS (default: patched fusion_off; also correctness_off), all at once.
+# MODE seeds: same-seed pairs of the dense model: for each seed in SEEDS (default 1236 1237 1238 1239),
+#   patched and fusion_off, ITERS iterations, all at once on the one GPU (2 processes per seed). Each
+#   process's record (OUT/seeds_RELEASE/RUN.json) and log are written to OUT as that process ends, so a
+#   run cut off by PROC_LIMIT still leaves its record (rc 124, the iterations it reached).
 # MODE finegrained: Megatron-FSDP's fine-grained parameter-gather hooks on
 #   (--megatron-fsdp-enable-fine-grained-param-gather, 0.18+), 30 iterations, patched and fusion_off
 #   side by side (a weight used twice per backward: the tied embedding).
@@ -21,7 +25,7 @@
 # source). Writes OUT/results_RELEASE_MODE.json (validation/convergence/parse_logs.py) and
 # OUT/logs_RELEASE_MODE.tar.gz (every process log, versions.json, the data summary).
 #
-# Environment: ITERS (1000), EVAL_INTERVAL (100), PROC_LIMIT (seconds per process, 300),
+# Environment: ITERS (1000), EVAL_INTERVAL (100), PROC_LIMIT (seconds per process, 300), SEEDS (seeds mode),
 # DEADLINE (no process starts after this many seconds, 500), PY (python3).
 set -u
 OUT=${1:?usage: run.sh OUT RELEASE [MODE]}
@@ -110,7 +114,26 @@ train() {
     echo "== $name done t=$(elapsed)s: $(tail -1 "$LOGS/$name.log")"
 }
 
+# train_and_record NAME SEED [VAR=VALUE ...] -- [EXTRA ARGS ...]: train, then at once that run's record and
+# log into OUT (the seeds mode, whose processes end at different times)
+train_and_record() {
+    local name=$1 dir="$OUT/seeds_$REL"
+    train "$@"
+    mkdir -p "$dir"
+    cp "$LOGS/$name.log" "$dir/"
+    $PY "$HERE/parse_logs.py" --release "$REL" --mode seeds --log "$LOGS/$name.log" --out "$dir/$name.json" \
+        | sed 's/^/   /'
+}
+
 case "$MODE" in
+seeds)
+    read -r -a ARGS <<< "$(common_args 512 4 8 512 8 "$ITERS")"
+    for s in ${SEEDS:-1236 1237 1238 1239}; do
+        train_and_record "patched_s$s" "$s" & sleep 2
+        train_and_record "fusion_off_s$s" "$s" -- --no-gradient-accumulation-fusion & sleep 2
+    done
+    wait
+    ;;
 convergence)
     read -r -a ARGS <<< "$(common_args 512 4 8 512 8 "$ITERS")"
     # dry run: flag errors show here in ~1 min

@@ -98,3 +98,18 @@ def test_parse_dir_moe(tmp_path):
     assert (r["mode"], r["run"]) == ("moe", "moe_correctness_off_s1236")
     assert (r["config"], r["seed"]) == ("correctness_off", 1236)
     assert r["versions"] == {"megatron_core": "0.19.2"} and r["final_val_loss"] == 4.7
+
+
+def test_one_log_of_the_seeds_mode_and_the_pairs(tmp_path):
+    for name, final in (("patched_s1236", "4.71"), ("fusion_off_s1236", "4.70"), ("patched_s1237", "4.69"),
+                        ("fusion_off_s1237", "4.70")):
+        log = LOG.replace("--seed 1235", f"--seed {name[-4:]}").replace("4.700000E+00 | lm loss PPL", f"{final} | lm")
+        (tmp_path / f"{name}.log").write_text(log)
+        parse_logs.main(["--release", "0.19.2", "--mode", "seeds", "--log", str(tmp_path / f"{name}.log"),
+                         "--out", str(tmp_path / f"{name}.json")])
+    [r] = json.loads((tmp_path / "patched_s1236.json").read_text())["runs"]
+    assert (r["mode"], r["config"], r["seed"], r["final_val_loss"]) == ("seeds", "patched", 1236, 4.71)
+    records = [json.loads(p.read_text())["runs"][0] for p in sorted(tmp_path.glob("*.json"))]
+    lines = parse_logs.pairs(records)
+    assert lines[0] == "0.19.2 seeds seed 1236: patched 4.7100 fusion off 4.7000 diff +0.0100"
+    assert lines[-1] == "2 pairs: 1 positive, mean +0.0000, median +0.0000, sign test p = 1.000"

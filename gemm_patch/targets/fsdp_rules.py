@@ -8,6 +8,8 @@ raises internally, which costs about a microsecond per call on these hot paths.
 
 from __future__ import annotations
 
+import logging
+import weakref
 from typing import Any
 
 # Marks a weight megatron or Megatron-FSDP treats as used more than once: its .grad is added to
@@ -34,10 +36,49 @@ def main_grad_is_persistent(param: Any) -> bool:
     return gbuf is not None and not getattr(gbuf, "is_data_distributed", True)
 
 
+class ParamTable:
+    """A value per live parameter object, held in this process's memory (weakly: an entry goes
+    with its parameter), never in the parameter's ``__dict__``, which torch.save/pickle and
+    ``copy.deepcopy`` would carry along: in another process graph-task ids restart at 0, and a
+    record carried there would match that process's first backward."""
+
+    def __init__(self) -> None:
+        self._items: dict[int, tuple[Any, Any]] = {}  # id(param) -> (weakref to it, value)
+
+    def get(self, param: Any) -> Any:
+        entry = self._items.get(id(param))
+        return entry[1] if entry is not None and entry[0]() is param else None
+
+    def set(self, param: Any, value: Any) -> None:
+        key = id(param)
+        entry = self._items.get(key)
+        ref = entry[0] if entry is not None and entry[0]() is param else weakref.ref(param, self._dropper(key))
+        self._items[key] = (ref, value)
+
+    def pop(self, param: Any) -> Any:
+        value = self.get(param)
+        if value is not None:
+            self._items.pop(id(param), None)
+        return value
+
+    def _dropper(self, key: int) -> Any:
+        def drop(ref: Any) -> None:
+            entry = self._items.get(key)
+            if entry is not None and entry[0] is ref:
+                self._items.pop(key, None)
+        return drop
+
+
 # Per parameter: the backward (autograd graph task) in which a fused write last went into its
 # main_grad, until Megatron-FSDP's ``_grad_acc`` hands that gradient on (``restore_written_flag``).
-WRITTEN = "_gemm_patch_wgrad_written"
+WRITTEN = ParamTable()
+# Parameters whose Megatron-FSDP hooks are fsdp-shared-grad's twin (``hooks_end_records``): only
+# those hooks are known to hand a gradient on (``_grad_acc``, the bucket's reduce) after every
+# use of the weight in the backward, so only there may a record decide that a write adds.
+MANAGED = ParamTable()
 _graph_task = None  # torch._C._current_graph_task_id, bound on the first call (it imports torch)
+log = logging.getLogger("gemm_patch")
+_warned: set[str] = set()
 
 
 def current_backward() -> int | None:
@@ -49,6 +90,31 @@ def current_backward() -> int | None:
 
         _graph_task = getattr(torch._C, "_current_graph_task_id", None) or (lambda: None)
     return _graph_task()
+
+
+def written_in(param: Any, backward: int | None) -> bool:
+    """Whether a fused write of the graph task ``backward`` is recorded for ``param``."""
+    return backward is not None and backward >= 0 and WRITTEN.get(param) == backward
+
+
+def hooks_end_records(root_module: Any) -> None:
+    """First statement of fsdp-shared-grad's ``_register_fsdp_hooks``: the parameters of
+    ``root_module`` get hooks that end a record where the gradient is handed on."""
+    for param in root_module.parameters():
+        MANAGED.set(param, True)
+
+
+def _warn_unmanaged(param: Any) -> None:
+    if "unmanaged" not in _warned:
+        _warned.add("unmanaged")
+        log.warning(
+            "fsdp-wgrad: a Megatron-FSDP weight of shape %s was written twice in one backward into a "
+            "fresh gradient bucket (sharded gradients), with megatron's grad_added_to_main_grad cleared in "
+            "between, under Megatron-FSDP hooks that are not gemm-patch's (a MegatronFSDP built before "
+            "gemm_patch.apply(), GEMM_PATCH_SHARED_GRAD=0, or Megatron-FSDP code fsdp-shared-grad does not "
+            "know): the second write overwrites, as megatron's own call does, and one use's gradient may be "
+            "lost; build the MegatronFSDP after apply() with fsdp-shared-grad on (docs/troubleshooting.md, "
+            "known limits)", tuple(param.shape))
 
 
 def wgrad_accumulates(param: Any) -> bool:
@@ -64,24 +130,35 @@ def wgrad_accumulates(param: Any) -> bool:
     (``all_gather_and_wait_parameters_ready``), and with ``enable_fine_grained_param_gather_hook``
     every module unshards its weights again before its own backward: between the two uses of
     the weight, the flag reads False (megatron-core 0.16-0.19, sharded strategies: the second
-    write overwrote the first). So each write is also recorded on the parameter, with the id of
-    the autograd graph task it ran in, and a later write in the same graph task adds. Nothing
-    else could stand in for it: on sharded strategies each backward's bucket is allocated by
-    ``fetch_bucket`` (``torch.empty``, not zeroed) and freed after its reduce-scatter, so its
-    address or storage may be the next backward's too, and the first write of every backward
-    must overwrite (the record of an earlier backward never matches). Within one backward the
-    bucket is not reduced before the weight's ``_grad_acc`` (run once all its uses have reached
-    autograd's accumulation), which ends the record (``restore_written_flag``); a write in a
-    nested backward (reentrant activation checkpointing) has its own graph task and overwrites,
-    as without the record. The flag still counts: where it is set, megatron says the write of
-    this backward is in, as before. On a torch without the graph-task id only the flag counts."""
+    write overwrote the first). So each write is also recorded, with the id of the autograd
+    graph task it ran in, and a later write in the same graph task adds. The record says "this
+    backward's gradient of the weight is in its bucket, not yet handed on" only where something
+    ends it when the gradient is handed on: fsdp-shared-grad's twin of the hooks, which ends it in
+    ``_grad_acc`` and runs ``_grad_acc`` and the bucket's reduce once every use has reached
+    autograd's accumulation (``without_pending_uses``). Under other hooks (upstream's, on an
+    instance built before the patch; code the twin does not know) a bucket may be reduced, freed
+    and fetched again, unzeroed, between two uses (0.14-0.15 run ``_grad_acc`` after each module
+    call): there the record decides nothing, the write overwrites as megatron's own call does,
+    and one WARNING says so. On sharded strategies each backward's bucket is allocated by
+    ``fetch_bucket`` (``torch.empty``, not zeroed) and may share address or storage with the
+    last one, so the first write of every backward must overwrite: a record of another graph
+    task never matches. A write in a nested backward (reentrant activation checkpointing) has
+    its own graph task and overwrites, as without the record. The flag still counts: where it is
+    set, megatron says the write of this backward is in, as before. On a torch without the
+    graph-task id only the flag counts."""
     if param is None:
         return False
     attrs = getattr(param, "__dict__", {})
     backward = current_backward()
-    written = backward is not None and backward >= 0 and attrs.get(WRITTEN) == backward
-    attrs[WRITTEN] = backward
-    return main_grad_is_persistent(param) or bool(attrs.get("grad_added_to_main_grad")) or written
+    written = written_in(param, backward)
+    if backward is not None:
+        WRITTEN.set(param, backward)
+    if main_grad_is_persistent(param) or attrs.get("grad_added_to_main_grad"):
+        return True
+    if written and MANAGED.get(param) is None:
+        _warn_unmanaged(param)
+        return False
+    return written
 
 
 def restore_written_flag(param: Any) -> None:
@@ -98,12 +175,34 @@ def restore_written_flag(param: Any) -> None:
     does when no unshard intervened. Only a record of the graph task running now counts (the
     post-accumulate-grad hooks and the root post-backward callback run in it); a record left by
     a backward that never reached ``_grad_acc`` is dropped."""
-    attrs = getattr(param, "__dict__", None)
-    if not attrs or WRITTEN not in attrs:
-        return
-    written = attrs.pop(WRITTEN)
+    written = WRITTEN.pop(param)
+    attrs = getattr(param, "__dict__", {})
     if written is not None and written == current_backward() and not attrs.get("grad_added_to_main_grad"):
         param.grad_added_to_main_grad = True
+
+
+def without_pending_uses(params: list) -> list:
+    """Inserted in megatron-core 0.14-0.15's ``_post_backward`` (the per-module-call post-backward
+    hook; megatron-fsdp 0.1-0.2), after its ``_is_shared`` filter: the parameters whose gradient
+    can be handed on now (``_grad_acc``, then the reduce of their bucket), without those that
+    a fused write of this backward has written but whose ``.grad`` autograd has not accumulated
+    yet.
+
+    Those releases run the hook after each call of a module, so a weight used twice per backward
+    (the output layer under multi-token prediction) reached ``_grad_acc`` and the reduce after its
+    first use's backward: sharing its bucket with other parameters, the bucket stayed unreduced
+    and the second fused write, its flag cleared by ``_grad_acc``, overwrote the first (0.72
+    relative error); in a bucket of its own, reduced after the first use, the second write found a
+    reduced bucket, or a freshly fetched unzeroed one. Autograd accumulates a weight's ``.grad``
+    (megatron's dummy after a fused write) once all its uses have delivered theirs, and ahead of
+    the module's hook, so a fused-written weight whose ``.grad`` is still None has a use to come.
+    It is left to a later call of the hook (its last use), or to the root post-backward hook,
+    which handles every parameter no module hook took: as 0.16+ and ``_is_shared`` weights do,
+    ``_grad_acc`` and the reduce run once, after every use."""
+    backward = current_backward()
+    return [p for p in params
+            if p.grad is not None or not (getattr(p, "__dict__", {}).get("grad_added_to_main_grad")
+                                         or written_in(p, backward))]
 
 
 def view_forbidden(tensor: Any) -> bool:

@@ -65,7 +65,7 @@ from ..callsite import (
 )
 from ..target import Inspection, MethodTarget, PatchedTwin, Undo
 from . import megatron_main
-from .fsdp_rules import is_fsdp_param, restore_written_flag
+from .fsdp_rules import hooks_end_records, is_fsdp_param, restore_written_flag, without_pending_uses
 
 NESTED = "_grad_acc"
 STATEMENT = "if param.grad_added_to_main_grad and param.grad is not None:\n    del param.grad\n"
@@ -87,6 +87,10 @@ def add_shared_grad(param: Any, to_local: Any) -> None:
 ARG_HOOK = "_register_post_backward_hook"
 ARG_TEST = "torch.is_tensor(obj) and obj.requires_grad"
 ARG_CELL = "_gemm_patch_is_fsdp_param"
+MANAGED_CELL = "_gemm_patch_hooks_end_records"
+POST_HOOK = "_post_backward"
+SHARED_FILTER = 'param_list = [p for p in param_list if not getattr(p, "_is_shared", False)]'
+PENDING_CELL = "_gemm_patch_without_pending_uses"
 
 
 def _nested(funcdef: ast.FunctionDef, name: str = NESTED) -> list[ast.FunctionDef]:
@@ -121,6 +125,23 @@ def _arg_site(funcdef: ast.FunctionDef) -> ast.If:
     return found[0]
 
 
+def _pending_site(funcdef: ast.FunctionDef) -> ast.Assign:
+    """The ``_is_shared`` filter of the per-module-call post-backward hook (0.14-0.15)."""
+    nested = _nested(funcdef, POST_HOOK)
+    if len(nested) != 1:
+        raise CallSiteError(f"{len(nested)} nested `def {POST_HOOK}` in {funcdef.name}")
+    template = canonical_dump(ast.parse(SHARED_FILTER).body[0])
+    found = [n for n in nested[0].body if isinstance(n, ast.Assign) and canonical_dump(n) == template]
+    if len(found) != 1:
+        raise CallSiteError(f"{len(found)} `{SHARED_FILTER}` in {POST_HOOK}")
+    return found[0]
+
+
+def _after_docstring(body: list) -> int:
+    return 1 if len(body) > 1 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+        and isinstance(body[0].value.value, str) else 0
+
+
 def _call(name: str, *args: str) -> ast.Expr:
     return ast.Expr(value=ast.Call(func=ast.Name(id=name, ctx=ast.Load()),
                                    args=[ast.Name(id=a, ctx=ast.Load()) for a in args], keywords=[]))
@@ -132,9 +153,12 @@ def _edit_grad_acc(funcdef: ast.FunctionDef) -> None:
     statement.body.insert(0, ast.copy_location(_call(CELL, "param", TO_LOCAL), statement.body[0]))
     # First in _grad_acc, after its docstring; at the position of the statement it precedes.
     body = _nested(funcdef)[0].body
-    first = 1 if len(body) > 1 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
-        and isinstance(body[0].value.value, str) else 0
+    first = _after_docstring(body)
     body.insert(first, ast.copy_location(_call(FLAG_CELL, "param"), body[first]))
+    # First in the method itself: the parameters it registers hooks for get these hooks.
+    first = _after_docstring(funcdef.body)
+    root = funcdef.args.args[1].arg
+    funcdef.body.insert(first, ast.copy_location(_call(MANAGED_CELL, root), funcdef.body[first]))
 
 
 def _edit_both(funcdef: ast.FunctionDef) -> None:
@@ -143,6 +167,13 @@ def _edit_both(funcdef: ast.FunctionDef) -> None:
     keep_out = ast.UnaryOp(op=ast.Not(), operand=ast.Call(func=ast.Name(id=ARG_CELL, ctx=ast.Load()),
                                                           args=[ast.Name(id="obj", ctx=ast.Load())], keywords=[]))
     statement.test = ast.copy_location(ast.BoolOp(op=ast.And(), values=[statement.test, keep_out]), statement.test)
+    # After the _is_shared filter: a weight with a use still to come is left to a later call.
+    shared_filter = _pending_site(funcdef)
+    nested = _nested(funcdef, POST_HOOK)[0].body
+    pending = ast.Assign(targets=[ast.Name(id="param_list", ctx=ast.Store())],
+                         value=ast.Call(func=ast.Name(id=PENDING_CELL, ctx=ast.Load()),
+                                        args=[ast.Name(id="param_list", ctx=ast.Load())], keywords=[]))
+    nested.insert(nested.index(shared_filter) + 1, ast.copy_location(pending, shared_filter))
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -162,8 +193,11 @@ class SharedGradTarget(MethodTarget):
             return Inspection(fp, False, f"no `{STATEMENT.splitlines()[0]} del param.grad` in "
                                          f"{self.where}.{NESTED}")
         _site(funcdef)  # exactly one of each, or CallSiteError: skipped
+        if len(funcdef.args.args) < 2:
+            raise CallSiteError(f"{self.where} takes no root module argument")
         if fp in self.param_arg_fingerprints:
             _arg_site(funcdef)
+            _pending_site(funcdef)
         if not callable(vars(module).get(TO_LOCAL)):
             raise CallSiteError(f"{module.__name__} has no global {TO_LOCAL}")
         check_live_is_source(module, self.owner, self.attribute)
@@ -171,11 +205,12 @@ class SharedGradTarget(MethodTarget):
 
     def install(self, module: types.ModuleType, found: Inspection, undo: Undo, cfg: Any) -> str | None:
         both = found.fingerprint in self.param_arg_fingerprints
-        cells = {CELL: add_shared_grad, FLAG_CELL: restore_written_flag,
-                 **({ARG_CELL: is_fsdp_param} if both else {})}
+        cells = {CELL: add_shared_grad, FLAG_CELL: restore_written_flag, MANAGED_CELL: hooks_end_records,
+                 **({ARG_CELL: is_fsdp_param, PENDING_CELL: without_pending_uses} if both else {})}
         twin = build_edited_twin(found.payload, self.where, _edit_both if both else _edit_grad_acc, cells)
         self.replace(module, undo, PatchedTwin(self.live_object(module), twin))
-        return f"{ARG_HOOK}: Megatron-FSDP parameters passed as arguments stay parameters" if both else None
+        return (f"{ARG_HOOK}: Megatron-FSDP parameters passed as arguments stay parameters; {POST_HOOK}: "
+                "a weight with a use still to come waits for it") if both else None
 
 
 _COMMON = dict(

@@ -25,6 +25,7 @@ patched result differ from it by ~1e-3; a lost embedding or output-layer gradien
 from __future__ import annotations
 
 import importlib
+import logging
 import types
 
 import megatron_cpu
@@ -34,7 +35,7 @@ from conftest import EXPECTED, torch
 import gemm_patch
 from gemm_patch import config, detection
 from gemm_patch.callsite import fingerprint, parse_method
-from gemm_patch.targets import shared_grad
+from gemm_patch.targets import fsdp_rules, shared_grad
 
 ATTR = "_register_fsdp_hooks"
 TOL = 1e-2  # bf16 activations and embedding gradient: <= 3e-3 seen; a lost use is > 0.2 (asserted below)
@@ -88,8 +89,10 @@ def shared_on(fsdp):
 
 @pytest.fixture
 def shared_off(fsdp, monkeypatch):
-    """Upstream's method in place (what GEMM_PATCH_SHARED_GRAD=0 leaves)."""
+    """Upstream's method in place (what GEMM_PATCH_SHARED_GRAD=0, or a MegatronFSDP built before
+    ``apply()``, leaves), every other fix applied."""
     target, module = fsdp
+    gemm_patch.apply()
     live = vars(module.MegatronFSDP)[ATTR]
     if _ours(target, module):
         monkeypatch.setattr(module.MegatronFSDP, ATTR, live.__wrapped__)
@@ -112,14 +115,21 @@ def parallel():
 
 
 class GradBuffer:
-    """One parameter group's gradient buffer (``DataParallelBuffer``): ``fetch_bucket`` returns
-    the persistent storage when the data is not distributed, else the bucket of this bucket id,
-    allocated unzeroed (NaN here) on first use and kept until the reduce frees it."""
+    """One parameter group's gradient buffer (``DataParallelBuffer``) over the group's parameters,
+    each an item at its offset: ``fetch_bucket`` returns the persistent storage when the data is
+    not distributed, else the bucket of this bucket id, allocated unzeroed (NaN here) on first
+    use and kept until the pipeline frees it (``free_bucket_storage``, which also sets each
+    parameter's ``main_grad`` to None)."""
 
-    def __init__(self, param, distributed: bool):
+    def __init__(self, params, distributed: bool):
         self.is_data_distributed = distributed
         self.dtype = torch.float32
-        self.data = torch.zeros(param.numel(), dtype=torch.float32)  # zero_grad_buffer()
+        self.params = list(params)
+        self.offsets, total = {}, 0
+        for p in self.params:
+            self.offsets[p] = (total, p.numel())
+            total += p.numel()
+        self.data = torch.zeros(total, dtype=torch.float32)  # zero_grad_buffer()
         self.bucket = None
         self.fetches = 0
 
@@ -131,30 +141,58 @@ class GradBuffer:
             self.bucket = torch.full_like(self.data, float("nan"))
         return self.bucket
 
-    def reduce_and_free(self):
-        """Reduce-scatter on one rank: the bucket is added into the persistent shard, freed."""
-        if self.is_data_distributed and self.bucket is not None:
-            self.data += self.bucket
+    def item(self, flat, param):
+        """``get_item_from_bucket``: the parameter's slice of a bucket (or of ``data``)."""
+        start, n = self.offsets[param]
+        return flat[start:start + n].view(param.shape)
+
+    def reduce(self):
+        """Reduce-scatter on one rank: the bucket (fetched, as upstream does: a freed one comes
+        back unzeroed) is added into the persistent shard."""
+        if self.is_data_distributed:
+            self.data += self.fetch_bucket()
+
+    def free_bucket_storage(self):
+        if self.is_data_distributed:
             self.bucket = None
+            for p in self.params:
+                p.main_grad = None
 
 
 class ReducePipeline:
-    def __init__(self, groups):
-        self.groups, self.ready, self.reduced = groups, set(), []
+    """``GradReducePipeline``'s schedule: ``reduce_gradients`` marks parameters ready and
+    reduces a group once all of its parameters are; the bucket is freed (and the group's
+    ready set emptied) only when a later reduce needs the queue's room or at ``reset``. The queue
+    keeps ``keep`` reduced buckets; None: all of them, as MegatronFSDP's default queue capacity
+    (``suggested_communication_unit_size``, at least 1e9 elements) does for any model that fits
+    here. So a bucket can be reduced and still be fetched (None), or freed by a later reduce and
+    fetched again, unzeroed (0)."""
+
+    def __init__(self, groups, keep: int | None = None):
+        self.groups, self.reduced, self.queue = groups, [], []
+        self.ready = {g.name: set() for g in groups}
+        self.keep = keep
+        self.group_of = {p: g for g in groups for p in g.params}
+        self.handed: dict = {}  # param -> how many times it was marked ready
 
     def reduce_gradients(self, params, **kwargs):
         for p in params:
-            self.ready.add(p)
-        for group in self.groups:
-            if group.params and all(p in self.ready for p in group.params) and group.gbuf.bucket is not None:
-                group.gbuf.reduce_and_free()
+            self.handed[p] = self.handed.get(p, 0) + 1
+            group = self.group_of[p]
+            self.ready[group.name].add(p)
+            if len(self.ready[group.name]) < len(group.params):
+                continue
+            while self.keep is not None and len(self.queue) > self.keep:
+                self.queue.pop(0)()
+            if group.gbuf.is_data_distributed:
+                group.gbuf.reduce()
                 self.reduced.append(group.name)
-                self.ready -= set(group.params)
-            elif group.params and all(p in self.ready for p in group.params) and not group.gbuf.is_data_distributed:
-                self.ready -= set(group.params)
+            self.queue.append(lambda g=group: (self.ready[g.name].clear(), g.gbuf.free_bucket_storage()))
 
     def reset(self):
-        pass
+        while self.queue:
+            self.queue.pop(0)()
+        assert not any(self.ready.values()), f"parameters left ready but never reduced: {self.ready}"
 
     def _enforce_double_buffer_limit(self, *args):
         pass
@@ -175,37 +213,46 @@ class AllGatherPipeline:
         pass
 
 
-def fsdp_param(param, distributed: bool):
+def fsdp_param(param, gbuf: GradBuffer, item_id: int):
     """The attributes Megatron-FSDP gives a parameter (``__fsdp_param__``, ``_gbuf``,
     ``_item_id``, ``get_main_grad``, ``grad_added_to_main_grad``)."""
-    gbuf = GradBuffer(param, distributed)
     param.__fsdp_param__ = True
     param.grad_added_to_main_grad = False
     param._gbuf = gbuf
-    param._item_id = 0
-    param.get_main_grad = lambda: param._gbuf.fetch_bucket().view(param.shape)
-    return gbuf
+    param._item_id = item_id
+    param.get_main_grad = lambda: param._gbuf.item(param._gbuf.fetch_bucket(), param)
+
+
+BUCKETS = ("own", "shared")
 
 
 def wrap(module_fsdp, root: torch.nn.Module, distributed: bool, strategy: str | None = None,
-         fine_grained: bool = False):
+         fine_grained: bool = False, buckets: str = "own", keep: int | None = None):
     """A MegatronFSDP over ``root`` without __init__, holding what ``_register_fsdp_hooks`` and
     the hooks it registers read; then the release's (possibly patched) ``_register_fsdp_hooks``.
     ``fine_grained``: ``enable_fine_grained_param_gather_hook`` (and 0.19's backward twin of it),
-    an unshard hook before every module's forward and backward."""
+    an unshard hook before every module's forward and backward. ``buckets``: ``own``, one
+    parameter group (bucket) per parameter; ``shared``, one for all, as ``_get_parameter_groups``
+    groups parameters of one dtype outside FSDP units (the embedding and the output layer).
+    ``keep``: reduced buckets the reduce pipeline keeps before freeing (``ReducePipeline``)."""
+    if buckets not in BUCKETS:
+        raise ValueError(f"buckets={buckets!r}: one of {BUCKETS}")
     cls = module_fsdp.MegatronFSDP
     obj = object.__new__(cls)
     torch.nn.Module.__init__(obj)
     params = [p for p in root.parameters() if p.requires_grad]
+    members = [[p] for p in params] if buckets == "own" else [params]
     groups = []
-    for i, p in enumerate(params):
-        gbuf = fsdp_param(p, distributed)
+    for i, group_params in enumerate(members):
+        gbuf = GradBuffer(group_params, distributed)
+        for item_id, p in enumerate(group_params):
+            fsdp_param(p, gbuf, item_id)
         # hsdp_gbuf (0.14-0.16) / hfsdp_helper_gbuf (0.17+): None without hybrid sharding.
-        groups.append(types.SimpleNamespace(name=i, params=[p], requires_grad=True, hfsdp_helper_gbuf=None,
-                                            hsdp_gbuf=None, main_grad_buffer=gbuf, gbuf=gbuf, fsdp_unit_id=None,
-                                            is_expert_param=False))
+        groups.append(types.SimpleNamespace(name=i, params=group_params, requires_grad=True,
+                                            hfsdp_helper_gbuf=None, hsdp_gbuf=None, main_grad_buffer=gbuf,
+                                            gbuf=gbuf, fsdp_unit_id=None, is_expert_param=False))
     strategy = strategy or ("optim_grads" if distributed else "no_shard")
-    buffer = types.SimpleNamespace(param_to_param_group={p: i for i, p in enumerate(params)},
+    buffer = types.SimpleNamespace(param_to_param_group={p: i for i, g in enumerate(members) for p in g},
                                    parameter_groups=groups)
     ddp_config = types.SimpleNamespace(
         data_parallel_sharding_strategy=strategy, keep_fp8_transpose_cache=True, fsdp_double_buffer=False,
@@ -216,7 +263,7 @@ def wrap(module_fsdp, root: torch.nn.Module, distributed: bool, strategy: str | 
     vars(obj).update(
         module=root, ddp_config=ddp_config, data_parallel_sharding_strategy=strategy,
         param_and_grad_buffer=buffer, param_to_name={p: f"p{i}" for i, p in enumerate(params)},
-        grad_reduce_pipeline=ReducePipeline(groups), all_gather_pipeline=AllGatherPipeline(len(groups)),
+        grad_reduce_pipeline=ReducePipeline(groups, keep), all_gather_pipeline=AllGatherPipeline(len(groups)),
         fsdp_unit_modules=[], enable_fine_grained_param_gather_hook=fine_grained,
         enable_fine_grained_param_gather_backward_hook=fine_grained, fine_grained_recurse_module_types=(),
         dist_index=types.SimpleNamespace(use_hybrid_fsdp=False), report_nan_in_param_grad=False,
@@ -237,7 +284,9 @@ class TiedLM(torch.nn.Module):
     is a ColumnParallelLinear built with ``skip_weight_param_allocation`` and given that weight
     at forward; ``LanguageModule`` sets ``zero_out_wgrad`` on it (pipeline size 1). ``mtp``:
     one more use of each, as a multi-token-prediction layer makes (embedding of the shifted
-    tokens, output projection of its hidden states with the same weight). ``tied=False``:
+    tokens, projected by a layer of its own, ``eh_proj``, whose post-backward hook and bucket
+    reduce run between the output layer's two uses; output projection of its hidden states with
+    the same weight). ``tied=False``:
     an output layer with its own weight, used by the main and the MTP head alike."""
 
     def __init__(self, tied: bool = True, mtp: bool = False):
@@ -250,6 +299,9 @@ class TiedLM(torch.nn.Module):
             HIDDEN, VOCAB, config=cfg, init_method=torch.nn.init.normal_, bias=False, gather_output=False,
             skip_weight_param_allocation=tied)
         self.tied, self.mtp = tied, mtp
+        if mtp:
+            self.eh_proj = layers.ColumnParallelLinear(
+                HIDDEN, HIDDEN, config=cfg, init_method=torch.nn.init.normal_, bias=False, gather_output=False)
         if tied:
             self.embedding.weight.zero_out_wgrad = True  # language_module.py, pipeline size 1
 
@@ -260,7 +312,7 @@ class TiedLM(torch.nn.Module):
         h = self.embedding(tokens)  # [b, s, h]
         logits = [self.output_layer(h, weight=self.output_weight())[0]]
         if self.mtp:
-            h2 = self.embedding(tokens.roll(-1, dims=1)) + 0.5 * h
+            h2 = self.eh_proj(self.embedding(tokens.roll(-1, dims=1)))[0] + 0.5 * h
             logits.append(self.output_layer(h2, weight=self.output_weight())[0])
         return logits
 
@@ -275,7 +327,7 @@ def reference(model: TiedLM, tokens_list, grads_list) -> dict[str, torch.Tensor]
         h = emb[tokens]
         logits = [h @ out.t()]
         if model.mtp:
-            h2 = emb[tokens.roll(-1, dims=1)] + 0.5 * h
+            h2 = emb[tokens.roll(-1, dims=1)] @ params["eh_proj.weight"].t() + 0.5 * h
             logits.append(h2 @ out.t())
         sum((lg * g.double()).sum() for lg, g in zip(logits, grads, strict=True)).backward()
     return {n: p.grad for n, p in params.items()}
@@ -289,7 +341,10 @@ def keeps_weight_arguments(target, module) -> bool:
             and fingerprint(parse_method(module, target.owner, target.attribute)) in target.param_arg_fingerprints)
 
 
-def train(module_fsdp, *, tied: bool, mtp: bool, distributed: bool, micro_batches: int = 2, seed: int = 0,
+MICRO_BATCHES = 2
+
+
+def train(module_fsdp, *, tied: bool, mtp: bool, distributed: bool, micro_batches: int = MICRO_BATCHES, seed: int = 0,
           upstream_failure_skips: bool = True, **wrap_kwargs):
     """Forward/backward ``micro_batches`` times through MegatronFSDP's hooks; returns the
     model, each parameter's reduced gradient and the fp64 reference. ``wrap_kwargs``: ``wrap``'s."""
@@ -317,7 +372,7 @@ def train(module_fsdp, *, tied: bool, mtp: bool, distributed: bool, micro_batche
             raise
         tokens_list.append(tokens)
         grads_list.append(grads)
-    got = {n: p._gbuf.data.view(p.shape).double() for n, p in model.named_parameters()}
+    got = {n: p._gbuf.item(p._gbuf.data, p).double() for n, p in model.named_parameters()}
     for n, p in model.named_parameters():
         assert p._gbuf.bucket is None, f"{n}: bucket never reduced"
         assert p.grad is None, f"{n}: param.grad left behind"
@@ -338,17 +393,67 @@ BUFFERS = [pytest.param(False, id="persistent"), pytest.param(True, id="fresh")]
 
 
 @needs_code
+@pytest.mark.parametrize("buckets", BUCKETS)
 @pytest.mark.parametrize("distributed", BUFFERS)
 @pytest.mark.parametrize("tied, mtp", CASES)
-def test_every_parameter_matches_fp64_autograd(parallel, shared_on, tied, mtp, distributed):
+def test_every_parameter_matches_fp64_autograd(parallel, shared_on, tied, mtp, distributed, buckets):
     target, module = shared_on
-    model, got, ref, obj = train(module, tied=tied, mtp=mtp, distributed=distributed,
+    model, got, ref, obj = train(module, tied=tied, mtp=mtp, distributed=distributed, buckets=buckets,
                                  upstream_failure_skips=not keeps_weight_arguments(target, module))
     if distributed:
         assert obj.grad_reduce_pipeline.reduced, "no bucket was reduced"
     for name in got:
         assert not torch.isnan(got[name]).any(), f"{name}: stale bucket memory reached the gradient"
         assert rel(got[name], ref[name]) < TOL, (name, rel(got[name], ref[name]))
+    # Each gradient is handed to the reduce once per backward, after all its uses (0.14-0.15's
+    # per-module-call hook included: a weight with a use still to come waits for it).
+    handed = obj.grad_reduce_pipeline.handed
+    assert all(handed.get(p) == MICRO_BATCHES for p in model.parameters()), \
+        {n: handed.get(p) for n, p in model.named_parameters()}
+
+
+def per_module_call_hooks(target, module) -> bool:
+    """Whether this release's hooks run ``_grad_acc`` and the reduce after each module call
+    (megatron-core 0.14-0.15, megatron-fsdp 0.1-0.2: the code of ``param_arg_fingerprints``)."""
+    return fingerprint(parse_method(module, target.owner, target.attribute)) in target.param_arg_fingerprints
+
+
+@needs_code
+@pytest.mark.parametrize("keep", [pytest.param(0, id="freed"), pytest.param(None, id="kept")])
+@pytest.mark.parametrize("buckets", BUCKETS)
+def test_under_upstream_hooks_a_write_never_adds_into_another_bucket(parallel, shared_off, buckets, keep, caplog,
+                                                                      monkeypatch):
+    """A MegatronFSDP built before ``gemm_patch.apply()`` (or under GEMM_PATCH_SHARED_GRAD=0)
+    keeps upstream's hooks while fsdp-wgrad writes the output layer's gradient, used twice per
+    backward (MTP), into a fresh bucket. On 0.14-0.15 upstream's ``_grad_acc`` and the bucket's
+    reduce run between the two uses: the bucket may be reduced and kept (``kept``: adding would
+    count the first use twice), or freed and fetched again unzeroed (``freed``: adding gave
+    NaN). gemm-patch cannot tell those from a bucket shared with parameters still to come
+    (``shared``, where upstream's own overwrite loses the first use): the record decides
+    nothing there, the write overwrites as megatron's does, and one WARNING line says so. On
+    0.16+ the hooks run after every use and megatron's flag survives between them: no warning."""
+    target, module = shared_off
+    assert next(s for s in gemm_patch.status().targets if s.name == "fsdp-wgrad").state in PATCHED
+    monkeypatch.setattr(fsdp_rules, "_warned", set())
+    log = logging.getLogger("gemm_patch")  # its own handler, propagate off: caplog's is added to it
+    log.addHandler(caplog.handler)
+    try:
+        model, got, ref, _ = train(module, tied=False, mtp=True, distributed=True, buckets=buckets, keep=keep)
+    finally:
+        log.removeHandler(caplog.handler)
+    name = "output_layer.weight"
+    error = rel(got[name], ref[name])
+    assert not torch.isnan(got[name]).any(), "a record of an earlier bucket made the write add into a fresh one"
+    warnings = [r for r in caplog.records if "written twice in one backward" in r.getMessage()]
+    if not per_module_call_hooks(target, module):
+        assert error < TOL and not warnings, (error, [r.getMessage() for r in warnings])
+        return
+    assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING, [r.getMessage() for r in caplog.records]
+    assert "MegatronFSDP built before gemm_patch.apply()" in warnings[0].getMessage()
+    if buckets == "own":
+        assert error < TOL, error  # megatron's overwrite is right here: the first use was reduced
+    else:
+        assert error > 0.2, error  # upstream's loss, which the warning names
 
 
 @needs_code

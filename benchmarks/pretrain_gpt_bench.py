@@ -126,7 +126,7 @@ def pretrain_args(release: str, size: dict[str, int], tied: bool, iters: int) ->
         "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
         "--megatron-fsdp-main-grads-dtype", "fp32", "--use-distributed-optimizer", "--ckpt-format", "fsdp_dtensor",
         "--tokenizer-type", "NullTokenizer", "--vocab-size", vocab, "--make-vocab-size-divisible-by", "128",
-        "--mock-data", "--num-workers", "1", "--eval-iters", "0", "--eval-interval", iters,
+        "--mock-data", "--num-workers", "1", "--eval-iters", "0", "--eval-interval", 100 * iters,
         "--log-interval", LOG_INTERVAL, "--log-memory-interval", iters,
         "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1", "--seed", "1234",
     ]

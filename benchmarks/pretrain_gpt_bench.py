@@ -6,6 +6,8 @@ gemm-patch's fixes switched off alone, bf16 main grads; one process at a time on
     python benchmarks/pretrain_gpt_bench.py --out OUT/pretrain_gpt.jsonl [--plan core,untied] [--rounds 3]
         [--size hidden4096|hidden2048] [--iters N] [--upstream DIR] [--kit /tmp/gp] [--dry]
     python benchmarks/pretrain_gpt_bench.py --summary OUT/pretrain_gpt.jsonl     # the table, from records
+    python benchmarks/pretrain_gpt_bench.py --compare --out OUT/x --plan core --iters 10 [--kit /tmp/gp]
+        # gemm-patch compare on pretrain_gpt.py per (release, tied) of the plan
 
 Model (``--size``): ``hidden4096``: 4 layers, hidden 4096, FFN 16384, 32 heads, sequence 4096,
 micro-batch 1, global batch 4 (4 micro-batches), vocabulary 128256; ``hidden2048``: hidden 2048,
@@ -124,7 +126,7 @@ def pretrain_args(release: str, size: dict[str, int], tied: bool, iters: int) ->
         "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
         "--megatron-fsdp-main-grads-dtype", "fp32", "--use-distributed-optimizer", "--ckpt-format", "fsdp_dtensor",
         "--tokenizer-type", "NullTokenizer", "--vocab-size", vocab, "--make-vocab-size-divisible-by", "128",
-        "--mock-data", "--num-workers", "1", "--eval-iters", "0", "--eval-interval", iters,
+        "--mock-data", "--num-workers", "1", "--eval-iters", "0", "--eval-interval", 100 * iters,
         "--log-interval", LOG_INTERVAL, "--log-memory-interval", iters,
         "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1", "--seed", "1234",
     ]
@@ -211,6 +213,38 @@ def record(cell: tuple[str, bool, str], rnd: int, size_name: str, iters: int, co
     }
 
 
+def compare_runs(a: argparse.Namespace, size: dict[str, int], iters: int, logs: Path) -> int:
+    """``gemm-patch compare`` on pretrain_gpt.py for each (release, tied) of the plan, megatron's
+    iteration line logged every iteration; its table in OUT's folder/compare_*.txt, its record in
+    compare_*.json. Returns the worst exit status (0 same, 1 differs, 2 unreadable)."""
+    worst, logs = 0, logs.resolve()  # the command runs in the release's folder
+    for release, tied in dict.fromkeys((r, t) for r, t, _ in cells(a.plan)):
+        name = f"compare_{a.size}_{release}_{'tied' if tied else 'untied'}"
+        launcher = shlex.split(a.launcher.format(python=a.python))
+        command = [a.python, "-m", "gemm_patch", "compare", "--iters", str(iters), "--logs", str(logs / name),
+                   "--json", str(logs.parent / f"{name}.json"), "--", *launcher, "pretrain_gpt.py",
+                   *pretrain_args(release, size, tied, iters), "--log-interval", "1"]
+        cwd = Path(a.upstream) / release
+        print(f"# {name}\ncd {shlex.quote(str(cwd))} && {shlex.join(command)}", flush=True)
+        if a.dry:
+            continue
+        prepare_kit(release, a.kit)
+        logs.mkdir(parents=True, exist_ok=True)
+        proc = subprocess.Popen(command, env=environment(release, a.kit, {}), cwd=cwd, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+        try:
+            stdout, stderr = proc.communicate(timeout=2 * a.proc_limit)
+        except subprocess.TimeoutExpired:  # the two runs together: 2 x --proc-limit
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+            stderr += f"\ngemm-patch compare: killed after {2 * a.proc_limit:.0f} s (2 x --proc-limit)\n"
+        (logs.parent / f"{name}.txt").write_text(stdout + stderr)
+        print(stdout + "".join(line + "\n" for line in stderr.splitlines() if line.startswith("gemm-patch compare:")),
+              flush=True)
+        worst = max(worst, proc.returncode if proc.returncode >= 0 else 2)
+    return worst
+
+
 def summary(records: list[dict[str, Any]]) -> str:
     """One line per (size, release, tied, config): median step time over rounds, against fusion
     off of the same model, and memory against fusion off's."""
@@ -259,6 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--deadline", type=float, default=540.0, help="no process starts after this many seconds")
     p.add_argument("--dry", action="store_true", help="print the commands, run nothing")
     p.add_argument("--summary", type=Path, metavar="JSONL", help="print the table of these records and exit")
+    p.add_argument("--compare", action="store_true",
+                   help="instead: `gemm-patch compare` for each (release, tied) of the plan (--out's folder gets "
+                        "compare_*.txt and .json)")
     a = p.parse_args(argv)
     if a.summary:
         print(summary(read_records(a.summary)))
@@ -272,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     if not a.dry and not a.out:
         p.error("--out is required (or --dry)")
     logs = a.logs or (a.out.parent / "logs" if a.out else Path("logs"))
+    if a.compare:
+        return compare_runs(a, size, iters, logs)
     t0, done = time.monotonic(), []
     for rnd, cell in runs:
         release, tied, config = cell

@@ -348,7 +348,9 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--judge-until", type=int, default=JUDGE_UNTIL, metavar="N",
                         help=f"judge the iterations up to N (default {JUDGE_UNTIL}); later ones are shown only")
     parser.add_argument("--logs", metavar="DIR", help="where the two runs' logs go (default: a new temporary folder)")
-    parser.add_argument("--json", action="store_true", help="print a JSON record instead of the table (schema 1)")
+    parser.add_argument("--json", nargs="?", const="-", metavar="FILE",
+                        help="a JSON record (schema 1): printed instead of the table, or with FILE written there "
+                             "beside the table")
     parser.add_argument("cmd", nargs=argparse.REMAINDER, help="the training command and its arguments")
     return parser
 
@@ -391,7 +393,9 @@ def main(args: argparse.Namespace) -> int:
             print(f"gemm-patch compare: interrupted during the {run.label} run (log {run.log_path})", file=sys.stderr)
             return 130
     result = decide(runs, args)
-    if args.json:
+    if args.json and args.json != "-":
+        Path(args.json).write_text(json.dumps(as_record(command, runs, result, args), indent=1) + "\n")
+    if args.json == "-":
         print(json.dumps(as_record(command, runs, result, args), indent=1))
     else:
         render(runs, result, sys.stdout)

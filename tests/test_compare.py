@@ -136,9 +136,12 @@ def test_off_arg_and_iters_arg_for_override_style_commands(gemm_patch_compare):
     assert code == compare.EXIT_DIFFERS and "the fusion off run failed: exit code 1" in out
 
 
-def test_json_record(gemm_patch_compare):
+def test_json_record(gemm_patch_compare, tmp_path):
     code, out, _, _ = gemm_patch_compare("--json", "--iters", "10", fault="memory")
     record = json.loads(out)
+    assert gemm_patch_compare("--iters", "10", "--json", str(tmp_path / "r.json"), fault="memory")[1].startswith(
+        "fusion on (gemm-patch): ")  # with FILE: the table on stdout, the record in FILE
+    assert json.loads((tmp_path / "r.json").read_text())["rows"] == record["rows"]
     assert code == 0 and record["verdict"] == "same" and record["exit_code"] == 0
     assert [r["iteration"] for r in record["rows"]] == [1, 5, 10]
     on, off = record["runs"]["on"], record["runs"]["off"]

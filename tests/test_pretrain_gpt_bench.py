@@ -116,3 +116,15 @@ def test_chart(tmp_path):
     src.write_text("".join(json.dumps(r) + "\n" for r in records))
     assert plot.main(str(src), str(tmp_path / "chart.png")) == 0
     assert (tmp_path / "chart.png").stat().st_size > 10_000
+
+
+def test_compare_runs_gemm_patch_compare_on_pretrain_gpt(upstream, capsys):
+    out = upstream / "out" / "records.jsonl"
+    code = bench.main(["--compare", "--out", str(out), "--plan", "0.19.2:tied:*", "--iters", "10", "--python",
+                       sys.executable, "--launcher", "{python}", "--upstream", str(upstream / "up")])
+    assert code == 0
+    record = json.loads((upstream / "out" / "compare_hidden4096_0.19.2_tied.json").read_text())
+    assert record["verdict"] == "same" and [r["iteration"] for r in record["rows"]] == list(range(1, 11))
+    assert record["runs"]["off"]["command"][-1] == "--no-gradient-accumulation-fusion"
+    text = (upstream / "out" / "compare_hidden4096_0.19.2_tied.txt").read_text()
+    assert "verdict: same" in text and "verdict: same" in capsys.readouterr().out

@@ -49,6 +49,34 @@ import time
 from typing import Any
 
 
+def seeded_model(run: dict[str, Any], device: str):
+    """(TransformerConfig, GPTModel) of the run with fusion off, built right after the seeding the
+    training runs do, so its weights are their initial weights."""
+    import torch
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from train_gpt_fsdp import build_configs, build_gpt
+
+    tconfig = build_configs({**run, "fusion": "off"})[0]
+    torch.manual_seed(run["seed"])
+    if device == "cuda":
+        model_parallel_cuda_manual_seed(run["seed"])
+    return tconfig, build_gpt(run, tconfig).to(device)
+
+
+def step1_micro_batches(run: dict[str, Any], dp: int, device: str):
+    """(inputs, labels, position ids) of step 1's dp x M micro-batches in training order (rank
+    r = k // M, its micro-batch k % M)."""
+    import torch
+    from train_gpt_fsdp import PatternData
+
+    m, mbs, seq = int(run["micro_batches"]), int(run["micro_batch_size"]), int(run["seq"])
+    batch = PatternData(run["vocab"], seq, run["seed"]).global_batch(1, dp * m * mbs)
+    position_ids = torch.arange(seq, device=device).unsqueeze(0).expand(mbs, -1)
+    for k in range(dp * m):
+        tokens = batch[k * mbs:(k + 1) * mbs].to(device)
+        yield tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), position_ids
+
+
 def run_oracle(run: dict[str, Any], device: str | None = None) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
@@ -57,7 +85,6 @@ def run_oracle(run: dict[str, Any], device: str | None = None) -> dict[str, Any]
     from megatron.core.transformer.module import Float16Module
     from train_gpt_fsdp import (
         PARALLEL_KEYS,
-        PatternData,
         build_configs,
         build_gpt,
         init_parallel,
@@ -72,7 +99,7 @@ def run_oracle(run: dict[str, Any], device: str | None = None) -> dict[str, Any]
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     rank = dist.get_rank() if dist.is_initialized() else 0
     dp = parallel_state.get_data_parallel_world_size() if dist.is_initialized() else 1
-    m, mbs, seq = int(run["micro_batches"]), int(run["micro_batch_size"]), int(run["seq"])
+    m = int(run["micro_batches"])
     result: dict[str, Any] = {"name": run["name"], "config": run, "mode": "autograd", "dp": dp,
                               "world_size": dist.get_world_size() if dist.is_initialized() else 1}
     parallel = any(int(run.get(k) or 1) > 1 for k in PARALLEL_KEYS)
@@ -93,12 +120,7 @@ def run_oracle(run: dict[str, Any], device: str | None = None) -> dict[str, Any]
         result["replica"] = {k: run[k] for k in (*PARALLEL_KEYS, "sequence_parallel", "moe_fused")}
     if rank == 0:
         t0 = time.perf_counter()
-        tconfig = build_configs({**run, "fusion": "off"})[0]
-        torch.manual_seed(run["seed"])
-        if device == "cuda":
-            model_parallel_cuda_manual_seed(run["seed"])
-        gpt = build_gpt(run, tconfig)
-        gpt.to(device)
+        tconfig, gpt = seeded_model(run, device)
         if weights is not None:
             own = dict(gpt.named_parameters())
             bad = sorted(set(own) ^ set(weights)) or [
@@ -114,14 +136,9 @@ def run_oracle(run: dict[str, Any], device: str | None = None) -> dict[str, Any]
         params = {strip_wrappers(n): p for n, p in model.named_parameters() if p.requires_grad}
         acc = {n: torch.zeros(p.shape, dtype=torch.float32, device=p.device) for n, p in params.items()}
 
-        data = PatternData(run["vocab"], seq, run["seed"])
-        batch = data.global_batch(1, dp * m * mbs)
-        position_ids = torch.arange(seq, device=device).unsqueeze(0).expand(mbs, -1)
         scale = torch.ones(1, device=device) / m
         losses = []
-        for k in range(dp * m):  # rank r = k // m, its micro-batch k % m
-            tokens = batch[k * mbs:(k + 1) * mbs].to(device)
-            inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        for inputs, labels, position_ids in step1_micro_batches(run, dp, device):
             output = model(inputs, position_ids, None, labels=labels)
             loss = output.float().mean()
             losses.append(float(loss))
@@ -159,4 +176,109 @@ def run_oracle(run: dict[str, Any], device: str | None = None) -> dict[str, Any]
         del weights
         parallel_state.destroy_model_parallel()
         init_parallel(result["config"])  # the layout's state again, for the runs after this one
+    return result
+
+
+# -- the fp64 oracle ------------------------------------------------------------------------------
+#
+# ``"mode": "fp64"``: step 1's gradient of the same dense model in float64, the truth both
+# fusion off and the fused fp32 path approximate. TE computes in bf16/fp16/fp32 only, so the
+# model is rebuilt with megatron's local layer spec (plain torch: ColumnParallelLinear /
+# RowParallelLinear, DotProductAttention with an explicit causal mask, torch LayerNorm) in
+# float64, and loaded with the TE model's initial weights, bf16 values exactly. The two specs
+# compute the same function: TE fuses each block's first LayerNorm into the linear layer after it
+# (TE_TO_LOCAL renames those two parameters), everything else has the same name and shape.
+# Megatron's cross entropy upcasts the logits to fp32 (vocab_parallel_cross_entropy), a relative
+# error of about 1e-7 in the loss gradient, far below the bf16 rounding (2^-9) this oracle judges.
+
+TE_TO_LOCAL = ((".self_attention.linear_qkv.layer_norm_", ".input_layernorm."),
+               (".mlp.linear_fc1.layer_norm_", ".pre_mlp_layernorm."))
+
+
+def local_name(name: str) -> str:
+    """A TE-spec parameter name as megatron's local layer spec names the same parameter."""
+    for te, local in TE_TO_LOCAL:
+        if te in name:
+            return name.replace(te, local)
+    return name
+
+
+def dense_gradients(run: dict[str, Any], weights: dict[str, Any], dtype, device: str, dp: int = 1):
+    """Step 1's gradient ({name as in ``weights``: tensor of ``dtype``}) and the micro-batch losses
+    of the run's dense model built with the local layer spec in ``dtype``, every parameter loaded
+    from ``weights`` (either spec's names). Each micro-batch's loss / M is backpropagated and the
+    gradients summed in ``dtype``, then divided by dp (megatron's schedule and reduction)."""
+    import dataclasses
+
+    import torch
+    from train_gpt_fsdp import build_configs, build_gpt
+
+    local_run = {**run, "fusion": "off", "spec": "local"}
+    tconfig = dataclasses.replace(build_configs(local_run)[0], bf16=False, params_dtype=dtype, pipeline_dtype=dtype)
+    gpt = build_gpt(local_run, tconfig).to(device=device, dtype=dtype)
+    own = dict(gpt.named_parameters())
+    source = {local_name(n): n for n in weights}
+    if set(source) != set(own) or any(own[n].shape != weights[source[n]].shape for n in own):
+        raise RuntimeError(f"the local-spec model's parameters and the weights differ: "
+                           f"{sorted(set(source) ^ set(own))[:6]}")
+    with torch.no_grad():
+        for n, p in own.items():
+            p.copy_(weights[source[n]].to(device=device, dtype=dtype))
+    seq, m = int(run["seq"]), int(run["micro_batches"])
+    causal = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=device), diagonal=1)[None, None]
+    acc = {n: torch.zeros_like(p) for n, p in own.items()}
+    losses = []
+    for inputs, labels, position_ids in step1_micro_batches(run, dp, device):
+        loss = gpt(inputs, position_ids, causal, labels=labels).to(dtype).mean()
+        losses.append(float(loss.detach()))
+        (loss / m).backward()
+        for n, p in own.items():
+            if p.grad is not None:
+                acc[n].add_(p.grad)
+                p.grad = None
+    return {source[n]: (a / dp).cpu() for n, a in acc.items()}, losses
+
+
+def run_fp64_oracle(run: dict[str, Any], device: str | None = None) -> dict[str, Any]:
+    """The fp64 oracle of a dense run without model parallelism (rank 0; the others wait): the
+    run's own model (TE spec) built as training builds it, then ``dense_gradients`` in float64;
+    the dump in the --grad-dump format with float64 tensors."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from train_gpt_fsdp import PARALLEL_KEYS, weights_hash
+
+    if not run.get("grad_dump"):
+        raise SystemExit(f"{run['name']}: mode fp64 needs grad_dump")
+    if any(int(run.get(k) or 1) > 1 for k in PARALLEL_KEYS) or run.get("moe_experts") or run.get("mtp_layers"):
+        raise SystemExit(f"{run['name']}: mode fp64 is for a dense model without model parallelism or MTP")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    dp = parallel_state.get_data_parallel_world_size() if dist.is_initialized() else 1
+    result: dict[str, Any] = {"name": run["name"], "config": run, "mode": "fp64", "dp": dp}
+    if rank == 0:
+        t0 = time.perf_counter()
+        _, gpt = seeded_model(run, device)
+        result["init_hash"] = weights_hash(gpt)
+        weights = {n: p.detach().clone() for n, p in gpt.named_parameters()}
+        del gpt
+        grads, losses = dense_gradients(run, weights, torch.float64, device, dp)
+        from pathlib import Path
+        Path(run["grad_dump"]).parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"format": "gemm_patch.grad_dump/1", "meta": {"run": run, "oracle": "fp64", "dp": dp},
+                    "grads": grads}, run["grad_dump"])
+        m = int(run["micro_batches"])
+        per_rank = [sum(losses[r * m:(r + 1) * m]) / m for r in range(dp)]
+        result.update(step1_loss=sum(per_rank) / dp, micro_batch_losses=losses,
+                      grad_dump={"path": run["grad_dump"], "params": len(grads),
+                                 "norms": {n: float(g.norm()) for n, g in grads.items()}},
+                      seconds=time.perf_counter() - t0)
+        del weights, grads
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        print(f"[{run['name']}] fp64 oracle: {dp * m} micro-batches, step-1 loss {result['step1_loss']:.6f}, "
+              f"{result['grad_dump']['params']} params, init {result['init_hash']}, {result['seconds']:.1f} s",
+              flush=True)
+    if dist.is_initialized():
+        dist.barrier()
     return result

@@ -80,7 +80,7 @@ RUN_KEYS = ("name", "fusion", "main_grads_dtype", "sharding", "steps", "micro_ba
             "probe_dir", "probe_step", "te_dummy")
 PARALLEL_KEYS = ("tp", "cp", "ep")
 # Run keys that exist only when given (flag or --plan entry): absent, a run's config is unchanged.
-OPTIONAL_RUN_KEYS = ("grad_div_fusion",)
+OPTIONAL_RUN_KEYS = ("grad_div_fusion", "position_embedding")
 
 # Weights whose gradient is written by a fused wgrad GEMM straight into main_grad when
 # gradient_accumulation_fusion is on: TE's linear layers, and megatron's ColumnParallelLinear
@@ -152,10 +152,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--moe-experts", type=int, default=0,
                    help="MoE experts per layer (0: dense MLP); grouped GEMM, alltoall dispatcher")
     p.add_argument("--moe-topk", type=int, default=2)
-    p.add_argument("--mode", choices=("train", "autograd"), default="train",
+    p.add_argument("--position-embedding", choices=("rope", "learned_absolute"), default=None,
+                   help="default rope; learned_absolute is pretrain_gpt.py's default")
+    p.add_argument("--mode", choices=("train", "autograd", "fp64"), default="train",
                    help="autograd: oracle 2 instead of training (autograd_oracle.py): "
                         "the same model and initial weights without Megatron-FSDP, rank 0 runs every rank's "
-                        "micro-batches of step 1 by plain autograd and dumps the fp32-summed gradients")
+                        "micro-batches of step 1 by plain autograd and dumps the fp32-summed gradients; fp64: "
+                        "the same in float64 with megatron's local layers (a dense model without model "
+                        "parallelism)")
     p.add_argument("--spec", choices=("te", "local"), default="te",
                    help="layer spec: TE layers (default) or megatron-core's local layers (CPU dry runs)")
     p.add_argument("--plan", default=None,
@@ -344,7 +348,7 @@ def build_gpt(run: dict[str, Any], tconfig):
         # Untied (the 0.1.0 campaign): the output layer's fused wgrad is the only writer of its
         # main_grad. Tied: the embedding's weight is also the output layer's.
         share_embeddings_and_output_weights=run.get("tied") == "on",
-        position_embedding_type="rope",
+        position_embedding_type=run.get("position_embedding") or "rope",
         mtp_block_spec=mtp_block_spec,
     )
 
@@ -1024,10 +1028,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     for i, run in enumerate(runs):
         try:
-            if run["mode"] == "autograd":
-                from autograd_oracle import run_oracle  # autograd_oracle.py, next to this script
+            if run["mode"] in ("autograd", "fp64"):
+                from autograd_oracle import run_fp64_oracle, run_oracle  # autograd_oracle.py, next to this script
 
-                results["runs"].append(run_oracle(run))
+                results["runs"].append((run_oracle if run["mode"] == "autograd" else run_fp64_oracle)(run))
                 results["runs"][-1].setdefault("gemm_patch_after_wrap", None)
             else:
                 if reduce_probe is not None:

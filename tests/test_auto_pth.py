@@ -234,7 +234,7 @@ def test_megatron_imported_before_the_hook_starts_is_patched_at_once(tmp_path):
 
 @pytest.mark.parametrize("variable, value, accepted", [
     ("GEMM_PATCH_AUTO", "maybe", "1, true, yes, on, 0, false, no, off"),
-    ("GEMM_PATCH_BACKEND", "cublas", "auto, te, native, fallback"),
+    ("GEMM_PATCH_BACKEND", "cublas", "auto, native, te, fallback"),
     ("GEMM_PATCH", "maybe", "1, true, yes, on, 0, false, no, off"),
 ])
 def test_a_bad_value_is_one_message_and_an_unpatched_running_process(venvs, tmp_path, variable, value,

@@ -8,12 +8,14 @@ trigger declared in one place and missing from another fails here.
   their switches follow it;
 - backends: ``config.BACKEND_ORDER`` names them; ``backends.all_backends()``,
   ``dispatcher.DEFAULT_ORDER`` and ``config.BACKEND_CHOICES`` follow it;
-- the pytest markers the matrix and compat/adopt.py read are registered in pyproject.toml.
+- the pytest markers the matrix and compat/adopt.py read are registered in pyproject.toml;
+- docs/development.md's recipes "Add a target" and "Add a backend" name files that exist.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -97,3 +99,16 @@ def test_the_docs_name_every_target_and_its_switch():
         assert f"`{target.name}`" in development, f"docs/development.md's table of targets lacks {target.name}"
         for variable in (target.switch_variable, *target.options):
             assert variable in configuration, f"docs/configuration.md lacks {variable} ({target.name})"
+
+
+@pytest.mark.parametrize("recipe", ["Add a target", "Add a backend"])
+def test_the_recipes_name_real_files(recipe):
+    text = (ROOT / "docs" / "development.md").read_text()
+    assert f"## {recipe}\n" in text
+    section = text.split(f"## {recipe}\n", 1)[1].split("\n## ", 1)[0]
+    paths = [p for p in re.findall(r"`([\w./<>-]+)`", section) if "/" in p]
+    assert len(paths) >= 4, paths
+    for path in paths:
+        # A placeholder (<fix>.py) names a file to create: its folder must exist.
+        existing = ROOT / (path.rsplit("/", 1)[0] if "<" in path else path)
+        assert existing.exists(), f"docs/development.md, {recipe}: {path} does not exist"

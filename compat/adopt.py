@@ -14,19 +14,20 @@ A child interpreter then runs the component's test folder (tests/megatron, tests
 for a commit also tests/test_mcore_main_targets.py against it) with
 ``GEMM_PATCH_ALLOW_UNVERIFIED=1`` and ``GEMM_PATCH_MATRIX_EXPECT`` saying what each target reads on
 that code (unknown code: ``forced``; not applicable: ``not applicable``). Each test is credited to
-the targets it proves (``TEST_TARGETS``: by test file; test_contract by its parameter id).
+the targets its ``proves`` marker names (``@pytest.mark.proves("fsdp-wgrad")``; the contract's
+tests name their target's), which compat/matrix_quick.py writes into the junit report.
 
 A target is recorded only where at least one of its tests passed and none failed: one line in
-its module's ``fingerprints={...}`` literal, in version order (a release) or keyed
-``megatron_main.RELEASE`` (a commit; megatron_main.COMMIT moves to the commit only where every
-applicable target passes). A release also joins compat/matrix.json. A target whose test fails
-stays unverified: the test and the first line of its failure are printed.
+its table in gemm_patch/releases.json, in version order (a release) or keyed ``main@<8 hex>`` (a
+commit; the file's ``megatron_main`` commit moves to it only where every applicable target
+passes). A release also joins compat/matrix.json. Nothing else is written: adopting a release
+changes data files only. A target whose test fails stays unverified: the test and the first
+line of its failure are printed.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import os
 import re
@@ -43,16 +44,13 @@ import megatron_lm  # noqa: E402
 
 ROOT = matrix.ROOT
 sys.path.insert(0, str(ROOT))
-TARGETS_DIR = ROOT / "gemm_patch" / "targets"
-MAIN_MODULE = TARGETS_DIR / "megatron_main.py"
+# The data files an adoption writes, relative to the repository (``adopt(root=...)``).
+RELEASES = Path("gemm_patch") / "releases.json"
+MATRIX_JSON = matrix.MATRIX_FILE.relative_to(ROOT)
 PATCHED = ("verified", "compatible", "forced")
 
-# Which targets each test file proves. test_contract is credited by its parameter id (the
-# target's name); a file not listed here credits nothing (its failures are printed, not held
-# against a target).
-from matrix_quick import TEST_TARGETS  # noqa: E402  (which fix each test file proves)
+from matrix_quick import PROVES  # noqa: E402  (the junit property naming the targets a test proves)
 
-CONTRACT = "test_contract.py"
 MAIN_TESTS = "tests/test_mcore_main_targets.py"
 COMMIT_VARIABLE = "GEMM_PATCH_MAIN_COMMIT"  # tests/test_mcore_main_targets.py: the commit it tests
 
@@ -163,15 +161,12 @@ class Outcome:
     name: str
     outcome: str  # passed, failed, skipped
     message: str = ""
+    proves: tuple[str, ...] = ()  # its ``proves`` marker's targets; none: it is held against no target
 
 
 def credited(case: Outcome, names: list[str]) -> list[str]:
-    """The targets a test proves: by its file, or test_contract's parameter id."""
-    if case.file == CONTRACT:
-        param = case.name.partition("[")[2].rstrip("]")
-        hits = [n for n in names if param == n or param.startswith(n + "-")]
-        return [max(hits, key=len)] if hits else []
-    return [n for n in TEST_TARGETS.get(case.file, ()) if n in names]
+    """The targets of ``names`` that a test proves (its ``proves`` marker)."""
+    return [n for n in case.proves if n in names]
 
 
 def run_tests(code: Code, python: str, expected: dict[str, str], extra: dict[str, str]) -> list[Outcome]:
@@ -182,21 +177,23 @@ def run_tests(code: Code, python: str, expected: dict[str, str], extra: dict[str
     junit.parent.mkdir(parents=True, exist_ok=True)
     junit.unlink(missing_ok=True)
     proc = subprocess.run([python, "-m", "pytest", *code.tests, "-q", "-p", "no:cacheprovider",
-                           f"--junitxml={junit}"], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=matrix.CHILD_TIMEOUT)
+                           "-p", "matrix_quick", f"--junitxml={junit}"], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=matrix.CHILD_TIMEOUT)
     outcomes = []
     if junit.exists():
         for case in ET.parse(junit).getroot().iter("testcase"):
             module = next((part for part in reversed(case.get("classname", "").split("."))
                            if part.startswith("test_")), "")
+            proves = tuple(name for prop in case.iter("property") if prop.get("name") == PROVES
+                           for name in (prop.get("value") or "").split(",") if name)
             bad = case.find("failure") if case.find("failure") is not None else case.find("error")
             if bad is not None:
                 text = bad.get("message") or bad.text or "?"
                 outcomes.append(Outcome(module + ".py", case.get("name", "?"), "failed",
-                                        text.strip().splitlines()[0] if text.strip() else "?"))
+                                        text.strip().splitlines()[0] if text.strip() else "?", proves))
             else:
                 outcomes.append(Outcome(module + ".py", case.get("name", "?"),
-                                        "skipped" if case.find("skipped") is not None else "passed"))
+                                        "skipped" if case.find("skipped") is not None else "passed", proves=proves))
     if proc.returncode not in (0, 1) or not outcomes:
         tail = (proc.stdout[-1500:] + proc.stderr[-1500:]).strip()
         raise SystemExit(f"pytest {' '.join(code.tests)} did not run (exit {proc.returncode}): {tail}")
@@ -240,12 +237,12 @@ def verdicts(found: dict[str, Found], expected: dict[str, str], outcomes: list[O
     return result
 
 
-# -- editing the tables ---------------------------------------------------------------------
+# -- recording --------------------------------------------------------------------------
 
 def _version_key(key: str) -> tuple:
     from packaging.version import InvalidVersion, Version
 
-    if key.startswith("main@") or key == "megatron_main.RELEASE":
+    if key.startswith("main@"):
         return (1, Version("0"))
     try:
         return (0, Version(key))
@@ -253,108 +250,28 @@ def _version_key(key: str) -> tuple:
         return (0, Version("0"))
 
 
-def _table(tree: ast.AST, name: str) -> ast.Dict:
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call):
-            kw = {k.arg: k.value for k in node.keywords if k.arg}
-            if isinstance(kw.get("name"), ast.Constant) and kw["name"].value == name:
-                table = kw.get("fingerprints")
-                if isinstance(table, ast.Dict):
-                    return table
-                raise ValueError(f"{name}: fingerprints is not a dict literal")
-    raise KeyError(f"no target named {name!r} in this module")
+def set_fingerprint(table: dict[str, str], key: str, fp: str) -> None:
+    """``key: fp`` in a fingerprint table (in place), the table kept in version order (releases
+    by version, main keys last)."""
+    table[key] = fp
+    ordered = sorted(table.items(), key=lambda item: _version_key(item[0]))
+    table.clear()
+    table.update(ordered)
 
 
-def _entries(table: ast.Dict) -> list[tuple[list[str], str | None, ast.AST, ast.AST, ast.AST | None]]:
-    """(keys, fingerprint, first node, last node, fromkeys tuple) per entry of the dict literal."""
-    entries = []
-    for key, value in zip(table.keys, table.values, strict=True):
-        fp = value.value if isinstance(value, ast.Constant) else None
-        if key is None:  # **dict.fromkeys((...), fp)
-            if (isinstance(value, ast.Call) and len(value.args) == 2 and isinstance(value.args[0], ast.Tuple)
-                    and isinstance(value.args[1], ast.Constant)):
-                keys = [e.value for e in value.args[0].elts if isinstance(e, ast.Constant)]
-                entries.append((keys, value.args[1].value, value, value, value.args[0]))
-            continue
-        keys = [key.value] if isinstance(key, ast.Constant) else [ast.unparse(key)]
-        entries.append((keys, fp, key, value, None))
-    return entries
+def move_main(data: dict, commit: str) -> None:
+    """The release data pinned to Megatron-LM main ``commit``: every table's main key renamed."""
+    old, new = f"main@{data['megatron_main']['commit'][:8]}", f"main@{commit[:8]}"
+    data["megatron_main"]["commit"] = commit
+    for entry in data["targets"].values():
+        table = entry["fingerprints"]
+        if old in table and old != new:
+            entry["fingerprints"] = {new if k == old else k: v for k, v in table.items()}
 
 
-def _offset(lines: list[str], lineno: int, col: int) -> int:
-    return sum(len(line) for line in lines[:lineno - 1]) + len(lines[lineno - 1].encode()[:col].decode())
-
-
-def insert_fingerprint(text: str, name: str, key: str, fp: str) -> str:
-    """``text`` (a target module's source) with ``key: fp`` in target ``name``'s fingerprints
-    literal: unchanged where recorded already, the value replaced where the key holds another,
-    else one entry after the last key that sorts before it (releases by version, main keys
-    last): a tuple member of a ``dict.fromkeys`` group of the same fingerprint, a line of its
-    own in a table written one entry a line, inline in a one-line table. ``key`` is a release
-    ("0.20.0") or ``megatron_main.RELEASE``."""
-    tree = ast.parse(text)
-    table = _table(tree, name)
-    lines = text.splitlines(keepends=True)
-    entries = _entries(table)
-    for keys, known, _, last, group in entries:
-        if key in keys:
-            if known == fp:
-                return text
-            if group is not None:
-                raise ValueError(f"{name}: {key} is recorded in a dict.fromkeys group with {known}")
-            start, end = (_offset(lines, last.lineno, last.col_offset),
-                          _offset(lines, last.end_lineno, last.end_col_offset))
-            return text[:start] + json.dumps(fp) + text[end:]
-    literal = key if key == "megatron_main.RELEASE" else json.dumps(key)
-    before = [e for e in entries if max(map(_version_key, e[0]), default=(0,)) <= _version_key(key)]
-    if before:
-        keys, known, first, last, group = before[-1]
-        if group is not None and known == fp and not key.startswith("megatron_main"):
-            at = _offset(lines, group.end_lineno, group.end_col_offset) - 1  # the tuple's ")"
-            return text[:at] + f", {literal}" + text[at:]
-    multiline = table.lineno != table.end_lineno
-    if multiline:
-        if before:
-            anchor = before[-1][3]
-            line_no = anchor.end_lineno
-        else:
-            anchor = entries[0][2] if entries else None
-            line_no = (anchor.lineno - 1) if anchor else table.lineno
-        indent = re.match(r"\s*", lines[(anchor or table).lineno - 1]).group(0) if anchor else \
-            re.match(r"\s*", lines[table.lineno - 1]).group(0) + "    "
-        new = f"{indent}{literal}: {json.dumps(fp)},\n"
-        return "".join(lines[:line_no]) + new + "".join(lines[line_no:])
-    if before:
-        at = _offset(lines, before[-1][3].end_lineno, before[-1][3].end_col_offset)
-        return text[:at] + f", {literal}: {json.dumps(fp)}" + text[at:]
-    at = _offset(lines, table.lineno, table.col_offset) + 1  # after "{"
-    tail = ", " if entries else ""
-    return text[:at] + f"{literal}: {json.dumps(fp)}{tail}" + text[at:]
-
-
-def ensure_main_import(text: str) -> str:
-    """The module imports megatron_main (for a ``megatron_main.RELEASE`` key), where isort puts it."""
-    if re.search(r"^from \. import .*\bmegatron_main\b", text, re.M):
-        return text
-    lines = text.splitlines(keepends=True)
-    for i, line in enumerate(lines):
-        if line.startswith("from . import ") and "(" not in line:
-            names = sorted({*line[len("from . import "):].strip().split(", "), "megatron_main"})
-            lines[i] = f"from . import {', '.join(names)}\n"
-            return "".join(lines)
-    relative = [i for i, line in enumerate(lines) if line.startswith("from .")]
-    if not relative:
-        raise ValueError("no relative import to place 'from . import megatron_main' beside")
-    at = next((i for i in relative if re.match(r"from \.\w", lines[i])), relative[-1] + 1)
-    return "".join(lines[:at]) + "from . import megatron_main\n" + "".join(lines[at:])
-
-
-def _defining_file(target) -> Path:
-    """The module under gemm_patch/targets/ whose source names the target."""
-    for path in sorted(TARGETS_DIR.glob("*.py")):
-        if f'name="{target.name}"' in path.read_text():
-            return path
-    raise KeyError(f"no module under gemm_patch/targets/ defines {target.name}")
+def dump_releases(data: dict) -> str:
+    """gemm_patch/releases.json's text for ``data``: one entry a line, so a release is a line."""
+    return json.dumps(data, indent=2, ensure_ascii=False) + "\n"
 
 
 def add_release(text: str, component: str, version: str, python: str | None) -> str:
@@ -382,14 +299,25 @@ def add_release(text: str, component: str, version: str, python: str | None) -> 
 
 # -- the command ----------------------------------------------------------------------------
 
-def adopt(spec: str, dry_run: bool = False, say=print) -> dict[str, Verdict]:
-    from gemm_patch.targets import REGISTRY
-
+def adopt(spec: str, dry_run: bool = False, say=print, root: Path = ROOT) -> dict[str, Verdict]:
+    """Measure the code of ``spec`` (fingerprints, then its tests) and record what passed in the
+    data files of the repository at ``root``."""
     start = time.perf_counter()
     codes = prepare(spec)
-    by_name = {t.name: t for t in REGISTRY}
+    all_verdicts = measure(codes, say)
+    complete = all(v.ok for v in all_verdicts.values())
+    if record(codes, all_verdicts, complete, root, dry_run, say):
+        applicable = [v for v in all_verdicts.values() if v.state != "not applicable"]
+        say(f"{'complete' if complete else 'partial'}: {sum(v.ok for v in applicable)} of {len(applicable)} "
+            f"applicable targets pass ({time.perf_counter() - start:.0f}s)")
+    return all_verdicts
+
+
+def measure(codes: list[Code], say) -> dict[str, Verdict]:
+    """Each target's verdict on the code: its fingerprint there and the outcome of its tests."""
+    from gemm_patch.targets import REGISTRY
+
     all_verdicts: dict[str, Verdict] = {}
-    edits: dict[Path, str] = {}
     for code in codes:
         python = interpreter(code).python
         found = fingerprints(code, python)
@@ -410,38 +338,42 @@ def adopt(spec: str, dry_run: bool = False, say=print) -> dict[str, Verdict]:
         all_verdicts.update(found_verdicts)
         for verdict in found_verdicts.values():
             say("  " + verdict.line())
-    complete = all(v.ok for v in all_verdicts.values())
+    return all_verdicts
+
+
+def record(codes: list[Code], all_verdicts: dict[str, Verdict], complete: bool, root: Path, dry_run: bool,
+           say) -> bool:
+    """Write what passed into the data files under ``root`` (gemm_patch/releases.json,
+    compat/matrix.json) and nothing else; False where a commit is not adopted at all."""
+    releases_file, matrix_file = root / RELEASES, root / MATRIX_JSON
+    releases_text = releases_file.read_text()
+    data = json.loads(releases_text)
     commit = codes[0].commit
     if commit:
-        from gemm_patch.targets import megatron_main
-
-        moves = commit != megatron_main.COMMIT
-        if moves and not complete:
-            say(f"not every target passes on {commit[:8]}: nothing recorded, megatron_main.COMMIT stays "
-                f"{megatron_main.COMMIT[:8]}")
-            return all_verdicts
-        if moves:
-            edits[MAIN_MODULE] = MAIN_MODULE.read_text().replace(megatron_main.COMMIT, commit)
+        pinned = data["megatron_main"]["commit"]
+        if commit != pinned and not complete:
+            say(f"not every target passes on {commit[:8]}: nothing recorded, the pinned main commit stays "
+                f"{pinned[:8]}")
+            return False
+        move_main(data, commit)
+    key = f"main@{commit[:8]}" if commit else codes[0].key
     for verdict in all_verdicts.values():
         if verdict.state == "not applicable" or not verdict.ok or verdict.fingerprint is None:
             continue
-        target = by_name[verdict.target]
-        key = "megatron_main.RELEASE" if commit else codes[0].key
-        recorded = target.fingerprints.get(f"main@{commit[:8]}" if commit else key)
-        if recorded == verdict.fingerprint and not (commit and commit != megatron_main.COMMIT):
+        table = data["targets"][verdict.target]["fingerprints"]
+        if table.get(key) == verdict.fingerprint:
             continue
-        path = _defining_file(target)
-        text = edits.get(path, path.read_text())
-        if commit:
-            text = ensure_main_import(text)
-        edits[path] = insert_fingerprint(text, target.name, key, verdict.fingerprint)
-        say(f"record {target.name} {key if not commit else 'main@' + commit[:8]}: {verdict.fingerprint} "
-            f"in {path.relative_to(ROOT)}")
+        set_fingerprint(table, key, verdict.fingerprint)
+        say(f"record {verdict.target} {key}: {verdict.fingerprint} in {RELEASES}")
+    edits: dict[Path, str] = {}
+    if dump_releases(data) != releases_text:
+        edits[releases_file] = dump_releases(data)
     if not commit:
-        new = add_release(matrix.MATRIX_FILE.read_text(), codes[0].component, codes[0].key, codes[0].python)
-        if new != matrix.MATRIX_FILE.read_text():
-            edits[matrix.MATRIX_FILE] = new
-            say(f"add {codes[0].component} {codes[0].key} to compat/matrix.json")
+        old = matrix_file.read_text()
+        new = add_release(old, codes[0].component, codes[0].key, codes[0].python)
+        if new != old:
+            edits[matrix_file] = new
+            say(f"add {codes[0].component} {codes[0].key} to {MATRIX_JSON}")
     if not edits:
         say("nothing to record: every fingerprint whose tests passed is recorded already")
     elif dry_run:
@@ -449,15 +381,11 @@ def adopt(spec: str, dry_run: bool = False, say=print) -> dict[str, Verdict]:
     else:
         for path, text in edits.items():
             path.write_text(text)
-        say(f"wrote {', '.join(str(p.relative_to(ROOT)) for p in edits)}")
+        say(f"wrote {', '.join(str(p.relative_to(root)) for p in edits)}")
         scope = codes[0].key if not commit else ""
         say(f"next: python compat/matrix.py {scope}".rstrip() + " (check), then python compat/matrix.py --report "
             "(regenerates compat/COMPATIBILITY.md: the whole matrix)")
-    applicable = [v for v in all_verdicts.values() if v.state != "not applicable"]
-    say(f"{'complete' if complete else 'partial'}: {sum(v.ok for v in applicable)} of {len(applicable)} "
-        f"applicable targets pass "
-        f"({time.perf_counter() - start:.0f}s)")
-    return all_verdicts
+    return True
 
 
 def main(argv: list[str]) -> int:

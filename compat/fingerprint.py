@@ -4,8 +4,9 @@ releases found on sys.path: one line per target whose module imports.
     PYTHONPATH=compat/.cache/mcore-0.17.1:. python compat/fingerprint.py
     PYTHONPATH=compat/.cache/mfsdp-0.6.1:. python compat/fingerprint.py
 
-Each line is ready to paste into the target's ``fingerprints`` table (its module under
-gemm_patch/targets/); the comment says whether the value is already recorded for another release.
+Each line is one entry of the target's ``fingerprints`` table in gemm_patch/releases.json (what
+compat/adopt.py records once the target's tests pass); the comment says whether the value is
+recorded for this release already, or for another.
 """
 
 from __future__ import annotations

@@ -146,8 +146,8 @@ def plan(releases: Sequence[Release]) -> dict[Release, Release | None]:
 def process_elsewhere(releases: Sequence[Release], scope: dict[Release, Release | None]) -> dict[Release, str]:
     """For each release that runs its whole folder, the targets whose process tests run on a newer
     such release of the same component with the same fingerprint for that target, in whichever
-    interpreter, and ``common`` on all but the component's newest such release (matrix_quick.COMMON)
-    (comma-separated, for GEMM_PATCH_MATRIX_PROCESS_ELSEWHERE). The interpreter does
+    interpreter, and ``common`` on all but the component's newest such release (tests marked
+    common_machinery) (comma-separated, for GEMM_PATCH_MATRIX_PROCESS_ELSEWHERE). The interpreter does
     not matter here: a process test checks what happens around the import (order, strict mode,
     log lines, threads) for code that is the same, and every release still runs every in-process
     test in its own interpreter."""
@@ -542,7 +542,7 @@ def render_report(results: Sequence[ReleaseResult], wall: float | None = None) -
         "- process tests: a release whose recorded fingerprints equal those of a newer release of the "
         "matrix (same interpreter) runs every test but those that start a Python process; that newer "
         "release runs them. A whole-folder release leaves a fix's process tests to a newer one with the "
-        "same code for that fix, and the common ones (compat/matrix_quick.py COMMON) to the newest",
+        "same code for that fix, and the common ones (marked common_machinery) to the newest",
         "",
         "| component | release | Python | target states (expected where different) "
         "| passed | failed | skipped | process tests | time (s) |",

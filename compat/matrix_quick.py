@@ -9,12 +9,13 @@ repeat the same run; every in-process test still runs against the release itself
 
 Per fix, too: on a release that runs the whole folder, ``GEMM_PATCH_MATRIX_PROCESS_ELSEWHERE``
 names the targets whose code here is identical to a newer release's that runs the whole folder
-as well, in whichever interpreter; the process tests of their files (``TEST_TARGETS``) run there
-only (apex-wgrad's code, for one, is the same in every megatron-core release).
+as well, in whichever interpreter; the process tests that prove them (their ``proves`` marker,
+``@pytest.mark.proves("fsdp-wgrad")``) run there only (apex-wgrad's code, for one, is the same
+in every megatron-core release).
 
-And the process tests of machinery that no release's code changes (``COMMON``: the gate's
-default and strict modes around an import, threads, reloads, the rank rule, import order) run on
-the component's newest whole-folder release only (the others get ``common`` in that variable):
+And the process tests of machinery that no release's code changes (``@pytest.mark.common_machinery``:
+the gate's default and strict modes around an import, threads, reloads, the rank rule, import
+order) run on the component's newest whole-folder release only (the others get ``common`` in that variable):
 what of them does depend on the release is checked on every release in-process by the contract
 (tests/contract.py: unknown code in both modes, reload, re-import, import order per target).
 
@@ -27,42 +28,9 @@ from __future__ import annotations
 import os
 import types
 
-TEST_TARGETS: dict[str, tuple[str, ...]] = {
-    "test_fsdp_wgrad.py": ("fsdp-wgrad",),
-    "test_fsdp_accumulate.py": ("fsdp-wgrad",),
-    "test_fsdp_dummy_grad.py": ("fsdp-wgrad",),
-    "test_safety.py": ("fsdp-wgrad",),
-    "test_reimport.py": ("fsdp-wgrad",),
-    "test_fsdp_te_overwrite.py": ("fsdp-te-overwrite",),
-    "test_moe_overwrite.py": ("moe-te-overwrite",),
-    "test_mfsdp_te_overwrite.py": ("mfsdp-te-overwrite",),
-    "test_shared_weights.py": ("fsdp-wgrad", "fsdp-shared-grad", "mfsdp-shared-grad"),
-    "test_fine_grained_gather.py": ("fsdp-wgrad", "fsdp-shared-grad", "mfsdp-shared-grad"),
-    "test_one_rank_scale.py": ("fsdp-one-rank-scale",),
-    "test_mfsdp_one_rank_scale.py": ("mfsdp-one-rank-scale",),
-    "test_apex_wgrad.py": ("apex-wgrad",),
-    "test_apex_replace.py": ("apex-wgrad",),
-    "test_mcore_main_targets.py": ("fsdp-wgrad-gemm", "fsdp-te-overwrite-by-strategy",
-                                   "mfsdp-te-overwrite-by-strategy", "moe-te-overwrite",
-                                   "fsdp-one-rank-scale", "mfsdp-one-rank-scale"),
-}
-
-# "file" (all of its process tests), "file::test" (every parameter) or "file::test[id]".
-COMMON: frozenset[str] = frozenset({
-    "test_safety.py",
-    # a fresh process per order; in-process, apply after the import is "module first" and the
-    # contract's re-import goes through the post-import hook ("gemm_patch first") on every release
-    "test_contract.py::test_import_order",
-    "test_fsdp_wgrad.py::test_import_order_does_not_matter",
-    "test_fsdp_wgrad.py::test_unknown_code_is_left_alone_unless_allowed_and_refused_in_strict_mode[default]",
-    "test_fsdp_wgrad.py::test_unknown_code_is_left_alone_unless_allowed_and_refused_in_strict_mode[strict]",
-    "test_fsdp_te_overwrite.py::test_unknown_code_is_left_alone_unless_allowed_and_refused_in_strict_mode[default]",
-    "test_fsdp_te_overwrite.py::test_unknown_code_is_left_alone_unless_allowed_and_refused_in_strict_mode[strict]",
-    "test_fsdp_te_overwrite.py::test_one_summary_line_and_at_most_one_more_on_rank_0[1]",
-    "test_summary_lines.py::test_other_ranks_say_nothing_at_info",
-    "test_summary_lines.py::test_rank_0_names_each_fix_once_at_info[no RANK]",
-})
-COMMON_ELSEWHERE = "common"  # in GEMM_PATCH_MATRIX_PROCESS_ELSEWHERE: COMMON runs on another release
+PROVES = "proves"  # @pytest.mark.proves("fsdp-wgrad", ...): the targets whose fix a test proves
+COMMON_MACHINERY = "common_machinery"  # @pytest.mark.common_machinery: the same on every release
+COMMON_ELSEWHERE = "common"  # in GEMM_PATCH_MATRIX_PROCESS_ELSEWHERE: COMMON_MACHINERY runs on another release
 
 _SPAWN_NAMES = frozenset({"subprocess", "executable", "Popen", "check_output", "check_call"})
 
@@ -93,21 +61,29 @@ def starts_a_process(function, seen: set | None = None) -> bool:
                              (types.FunctionType, types.MethodType)))
 
 
+def proven_by(item) -> tuple[str, ...]:
+    """The targets the item's ``proves`` markers name (on the test, its class or its module)."""
+    return tuple(dict.fromkeys(name for mark in item.iter_markers(PROVES) for name in mark.args))
+
+
 def is_common(item) -> bool:
-    name = os.path.basename(str(getattr(item, "fspath", "")))
-    return bool({name, f"{name}::{getattr(item, 'originalname', item.name)}", f"{name}::{item.name}"} & COMMON)
+    return item.get_closest_marker(COMMON_MACHINERY) is not None
 
 
 def _elsewhere(item, targets: frozenset[str]) -> bool:
-    """Every fix the item's file proves is proven on another release (same code), or the item
-    is common machinery run on another release."""
+    """Every fix the item proves is proven on another release (same code), or the item is
+    common machinery run on another release."""
     if COMMON_ELSEWHERE in targets and is_common(item):
         return True
-    proves = TEST_TARGETS.get(os.path.basename(str(getattr(item, "fspath", ""))), ())
+    proves = proven_by(item)
     return bool(proves) and set(proves) <= targets
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:  # for the junit report: compat/adopt.py credits each test's outcome by it
+        proves = proven_by(item)
+        if proves:
+            item.user_properties.append((PROVES, ",".join(proves)))
     quick = os.environ.get("GEMM_PATCH_MATRIX_QUICK") == "1"
     elsewhere = frozenset(filter(None, os.environ.get("GEMM_PATCH_MATRIX_PROCESS_ELSEWHERE", "").split(",")))
     if not quick and not elsewhere:

@@ -15,6 +15,8 @@ from collections.abc import Callable
 
 import torch
 
+from . import config
+
 _HALF = (torch.bfloat16, torch.float16)
 
 
@@ -150,14 +152,12 @@ class ExactFallbackBackend(Backend):
     one thread, about 7 MiB of it BLAS packing; H200: ``max_memory_allocated``):
 
     - fp32 inputs into a bf16 ``main_grad``: CPU 135 MiB, H200 128 MiB (2.0x ``main_grad``);
-      0.2.0's ``torch.addmm(out.to(wide), ...)`` held a second M x N buffer: 263 / 256 MiB;
-    - bf16 inputs into an fp32 ``main_grad``: CPU 199 MiB (unchanged), the fp32 copies of both
-      operands;
-    - bf16 inputs into a bf16 ``main_grad``: CPU 327 MiB (0.2.0: 455 MiB).
+    - bf16 inputs into an fp32 ``main_grad``: CPU 199 MiB, the fp32 copies of both operands;
+    - bf16 inputs into a bf16 ``main_grad``: CPU 327 MiB.
 
-    Fewer is not bit-identical to earlier releases: a GEMM over row blocks may sum in another
-    order (cuBLAS picks split-K by shape), and ``out.add_(a @ b)`` adds ``out`` after the
-    products where the GEMM's beta=1 adds it before them."""
+    Fewer would change the bits: a GEMM over row blocks may sum in another order (cuBLAS picks
+    split-K by shape), and ``out.add_(a @ b)`` adds ``out`` after the products where the GEMM's
+    beta=1 adds it before them."""
 
     name = "fallback"
 
@@ -173,8 +173,8 @@ class ExactFallbackBackend(Backend):
             else:
                 torch.mm(a_wide, b_wide, out=out)
         elif accumulate:
-            # In place in one contiguous wide copy of out: the same GEMM (beta=1 into a
-            # contiguous M x N) that torch.addmm(out.to(wide), ...) ran into a second buffer.
+            # In place in one contiguous wide copy of out: beta=1 into a contiguous M x N,
+            # with no second M x N buffer for the product.
             acc = out.to(wide, memory_format=torch.contiguous_format)
             acc.addmm_(a_wide, b_wide)
             out.copy_(acc)
@@ -183,5 +183,7 @@ class ExactFallbackBackend(Backend):
 
 
 def all_backends() -> dict[str, Backend]:
-    """One fresh instance of each backend, in the default preference order."""
-    return {b.name: b for b in (TransformerEngineBackend(), NativeTorchBackend(), ExactFallbackBackend())}
+    """One fresh instance of each backend of this module, by name, in the default preference
+    order (``config.BACKEND_ORDER``, which names every one of them)."""
+    classes = {cls.name: cls for cls in Backend.__subclasses__() if cls.__module__ == __name__}
+    return {name: classes[name]() for name in config.BACKEND_ORDER}

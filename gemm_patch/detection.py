@@ -11,17 +11,22 @@ import os
 import sys
 from importlib import machinery, util
 
-# Distribution names to try per component, first found wins (TE ships under several names).
-DISTRIBUTIONS: dict[str, tuple[str, ...]] = {
-    "megatron-core": ("megatron-core", "megatron_core"),
-    "megatron-fsdp": ("megatron-fsdp", "megatron_fsdp"),
-    "transformer-engine": ("transformer-engine", "transformer_engine", "transformer-engine-torch",
-                           "transformer_engine_torch", "transformer-engine-cu12",
-                           "transformer-engine-cu13"),
-    "torch": ("torch",),
-    "nemo-toolkit": ("nemo-toolkit", "nemo_toolkit"),
-    "apex": ("apex",),
+from . import release_data
+
+# Other distribution names a component ships under (TE under several).
+_ALSO_NAMED: dict[str, tuple[str, ...]] = {
+    "megatron-core": ("megatron_core",),
+    "megatron-fsdp": ("megatron_fsdp",),
+    "transformer-engine": ("transformer_engine", "transformer-engine-torch", "transformer_engine_torch",
+                           "transformer-engine-cu12", "transformer-engine-cu13"),
+    "nemo-toolkit": ("nemo_toolkit",),
 }
+
+# The components whose versions are reported, each with the distribution names to try (first
+# found wins): those whose versions key the targets' tables (gemm_patch/releases.json), then
+# torch (the GEMM) and apex (what apex-wgrad stands in for).
+DISTRIBUTIONS: dict[str, tuple[str, ...]] = {
+    name: (name, *_ALSO_NAMED.get(name, ())) for name in (*release_data.distributions(), "torch", "apex")}
 
 # A module whose __version__ beats metadata when it is already imported: a source checkout on
 # PYTHONPATH shadows whatever pip installed, and the code that runs is what counts.

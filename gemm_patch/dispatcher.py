@@ -19,11 +19,7 @@ from .backends import Backend, all_backends
 
 log = logging.getLogger("gemm_patch")
 
-# native first: on the H200 (torch 2.11, TE 2.20.2) native and TE gave bitwise-identical
-# main_grads (also identical to megatron-core 0.19.2's own TE call) at the same GPU time, and
-# native costs 14.6 us of host time per call against TE's 48 us (benchmarks/results/). TE stays
-# next for torch builds without mm(..., out_dtype=).
-DEFAULT_ORDER = ("native", "te", "fallback")
+DEFAULT_ORDER = config.BACKEND_ORDER  # why this order: config.BACKEND_ORDER
 
 
 class WgradDispatcher:

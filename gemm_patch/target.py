@@ -3,7 +3,8 @@
 ``Target.patch`` is the only path from a live module to an installed patch: its switch (a
 variable, declared as data) -> ``inspect`` the live module -> judge the fingerprint against the
 recorded releases -> ``install`` through an ``Undo`` that can put back exactly what it replaced.
-A target supplies ``inspect`` and ``install``; a new release is one line in ``fingerprints``.
+A target supplies ``inspect`` and ``install``; its release data (the fingerprints of each
+release) is in ``gemm_patch/releases.json``, under its name.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 import wrapt
 
+from . import release_data
 from .callsite import CallSiteError
 
 VERIFIED = "verified"  # the code relied on is the one recorded for this release
@@ -154,18 +156,28 @@ class Target:
     name: str
     distribution: str  # whose version keys ``fingerprints``
     module: str  # the module whose import triggers the patch
-    fingerprints: Mapping[str, str]  # public release -> fingerprint of the code relied on
+    # Public release -> fingerprint of the code relied on. None (the default): the target's
+    # entry in gemm_patch/releases.json, as is ``fixed_upstream``; tests pass tables of their own.
+    fingerprints: Mapping[str, str] = None  # type: ignore[assignment]
     switch: str = ""  # the variable that turns this target off; "" derives GEMM_PATCH_<NAME>
     default_on: bool = True  # False: opt-in, the variable must be set to 1
     switch_values: tuple[str, ...] = ()  # named values the variable accepts beside 0/1 (``Config.choice``)
     relies_on: str = "code"  # what the fingerprint covers, in reasons
     # Fingerprints of upstream code that fixes the defect itself -> the upstream change: such code
     # reads "not applicable" (nothing to fix), where any other unknown code reads "unverified".
-    fixed_upstream: Mapping[str, str] = field(default_factory=dict)
+    fixed_upstream: Mapping[str, str] = None  # type: ignore[assignment]
 
     # States of this target's own beyond the common ones (state -> meaning), and whether each
     # counts as applying to what is installed (shown by `gemm-patch status` without --all).
     extra_states: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.fingerprints is None or self.fixed_upstream is None:
+            entry = release_data.target(self.name)
+            if self.fingerprints is None:
+                object.__setattr__(self, "fingerprints", dict(entry["fingerprints"]))
+            if self.fixed_upstream is None:
+                object.__setattr__(self, "fixed_upstream", dict(entry.get("fixed_upstream", {})))
 
     @property
     def switch_variable(self) -> str:

@@ -40,7 +40,7 @@ def targets_of(component: str) -> list[Target]:
 
 
 def params(component: str) -> list:
-    return [pytest.param(t, id=t.name) for t in targets_of(component)]
+    return [pytest.param(t, id=t.name, marks=pytest.mark.proves(t.name)) for t in targets_of(component)]
 
 
 def state_of(name: str):
@@ -416,6 +416,7 @@ def define_tests(namespace: dict, component: str, expected: dict[str, str]) -> N
     def expect(target) -> str:
         return expected[target.name]
 
+    @pytest.mark.common_machinery  # a fresh process per order; in-process, the re-import covers it
     @pytest.mark.parametrize("order", ["gemm_patch first", "module first"])
     @by_target
     def test_import_order(target, order):

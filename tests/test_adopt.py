@@ -1,6 +1,6 @@
-"""compat/adopt.py: the table edits on small fake modules (fast), the test-to-target credit, and
-real adoptions against megatron-core 0.16.1 (installed under compat/.cache by the version matrix
-on first use).
+"""compat/adopt.py: the data edits, the test-to-target credit, a fake release adopted into a copy
+of the repository (only data files change), and real adoptions against megatron-core 0.16.1
+(installed under compat/.cache by the version matrix on first use).
 
 By default one real adoption of 0.16.1 runs with one test file (fsdp-wgrad's accumulate tests,
 seconds): the install, the fingerprints, the tests' outcomes read from junit and the verdicts are
@@ -10,8 +10,9 @@ refusal of a deliberately broken copy) runs with GEMM_PATCH_ADOPT_HEAVY=1.
 
 from __future__ import annotations
 
-import ast
 import dataclasses
+import difflib
+import json
 import os
 import shutil
 import sys
@@ -26,74 +27,24 @@ import adopt  # noqa: E402
 heavy = pytest.mark.skipif(os.environ.get("GEMM_PATCH_ADOPT_HEAVY") != "1",
                            reason="a second tests/megatron run: set GEMM_PATCH_ADOPT_HEAVY=1")
 
-FAKE = '''from . import megatron_main
-
-A = Target(
-    name="a",
-    fingerprints={
-        # 0.13.x: nothing
-        "0.14.0": "aaaa",
-        "0.16.0": "bbbb",  # a comment
-        megatron_main.RELEASE: "bbbb",
-    },
-)
-B = Target(name="b", fingerprints={megatron_main.RELEASE: "cccc"})
-C = Target(
-    name="c",
-    fingerprints={
-        **dict.fromkeys(("0.14.0", "0.15.0"), "dddd"),
-        "0.16.0": "eeee",
-    },
-)
-'''
+def test_a_release_goes_in_version_order_and_main_stays_last():
+    table = {"0.14.0": "aaaa", "0.16.0": "bbbb", "main@12345678": "bbbb"}
+    adopt.set_fingerprint(table, "0.15.1", "ffff")
+    assert list(table) == ["0.14.0", "0.15.1", "0.16.0", "main@12345678"]
+    adopt.set_fingerprint(table, "0.17.0", "ffff")
+    assert list(table)[-2:] == ["0.17.0", "main@12345678"]
+    adopt.set_fingerprint(table, "0.16.0", "9999")
+    assert table["0.16.0"] == "9999" and len(table) == 5
 
 
-def table(text: str, name: str) -> dict:
-    namespace = {"megatron_main": type("M", (), {"RELEASE": "main@x"}), "Target": lambda **kw: kw}
-    exec(compile(text.replace("from . import megatron_main\n", ""), "fake", "exec"), namespace)
-    return next(v["fingerprints"] for v in namespace.values() if isinstance(v, dict) and v.get("name") == name)
-
-
-def test_insert_a_release_in_version_order_as_one_line():
-    out = adopt.insert_fingerprint(FAKE, "a", "0.15.1", "ffff")
-    assert out.splitlines()[7:9] == ['        "0.15.1": "ffff",', '        "0.16.0": "bbbb",  # a comment']
-    assert len(out.splitlines()) == len(FAKE.splitlines()) + 1
-    assert list(table(out, "a")) == ["0.14.0", "0.15.1", "0.16.0", "main@x"]
-
-
-def test_newest_release_goes_before_main():
-    out = adopt.insert_fingerprint(FAKE, "a", "0.17.0", "ffff")
-    assert list(table(out, "a")) == ["0.14.0", "0.16.0", "0.17.0", "main@x"]
-
-
-def test_recorded_key_is_unchanged_or_replaced():
-    assert adopt.insert_fingerprint(FAKE, "a", "0.16.0", "bbbb") == FAKE
-    out = adopt.insert_fingerprint(FAKE, "b", "megatron_main.RELEASE", "9999")
-    assert table(out, "b") == {"main@x": "9999"} and table(out, "a") == table(FAKE, "a")
-
-
-def test_main_key_into_a_one_line_table_and_a_fromkeys_group():
-    out = adopt.insert_fingerprint(FAKE, "c", "megatron_main.RELEASE", "eeee")
-    assert table(out, "c")["main@x"] == "eeee"
-    out = adopt.insert_fingerprint(FAKE, "c", "0.15.1", "dddd")
-    assert '**dict.fromkeys(("0.14.0", "0.15.0", "0.15.1"), "dddd")' in out
-    assert table(out, "c") == {**table(FAKE, "c"), "0.15.1": "dddd"}
-    out = adopt.insert_fingerprint(FAKE, "b", "0.19.0", "1234")
-    assert 'fingerprints={"0.19.0": "1234", megatron_main.RELEASE: "cccc"}' in out
-    ast.parse(out)
-
-
-def test_unknown_target_is_an_error():
-    with pytest.raises(KeyError):
-        adopt.insert_fingerprint(FAKE, "zzz", "0.1.0", "0000")
-
-
-def test_main_import_added_once():
-    text = "from __future__ import annotations\n\nfrom ..target import Target\nfrom .rules import f\n\nX = 1\n"
-    out = adopt.ensure_main_import(text)
-    assert "from ..target import Target\nfrom . import megatron_main\nfrom .rules import f\n" in out
-    assert adopt.ensure_main_import(out) == out
-    assert adopt.ensure_main_import("from . import zeta, alpha\n") == "from . import alpha, megatron_main, zeta\n"
+def test_moving_main_renames_every_main_key():
+    data = {"megatron_main": {"commit": "1" * 40},
+            "targets": {"a": {"fingerprints": {"0.19.2": "aaaa", "main@11111111": "bbbb"}},
+                        "b": {"fingerprints": {"0.19.2": "cccc"}}}}
+    adopt.move_main(data, "2" * 40)
+    assert data["megatron_main"]["commit"] == "2" * 40
+    assert data["targets"]["a"]["fingerprints"] == {"0.19.2": "aaaa", "main@22222222": "bbbb"}
+    assert data["targets"]["b"]["fingerprints"] == {"0.19.2": "cccc"}
 
 
 def test_matrix_json_gains_the_release_in_order():
@@ -109,29 +60,20 @@ def test_matrix_json_gains_the_release_in_order():
     assert adopt.add_release(text, "megatron-core", "0.16.1", None) == text
 
 
-def test_tests_are_credited_by_file_and_contract_id():
-    names = ["fsdp-wgrad", "fsdp-wgrad-gemm", "fsdp-shared-grad", "fsdp-one-rank-scale"]
+def test_tests_are_credited_to_the_targets_their_marker_names():
+    names = ["fsdp-wgrad", "fsdp-shared-grad"]
     case = adopt.Outcome
-    assert adopt.credited(case("test_contract.py", "test_import_order[fsdp-wgrad-gemm_patch first]", "passed"),
-                          names) == ["fsdp-wgrad"]
-    assert adopt.credited(case("test_contract.py", "test_import_order[fsdp-wgrad-gemm-module first]", "passed"),
-                          names) == ["fsdp-wgrad-gemm"]
-    # The tied-weight tests run the output layer's fused write too: they prove fsdp-wgrad as well.
-    assert adopt.credited(case("test_fine_grained_gather.py", "test_x", "passed"), names) == \
+    assert adopt.credited(case("test_fine_grained_gather.py", "test_x", "passed",
+                               proves=("fsdp-wgrad", "fsdp-shared-grad", "mfsdp-shared-grad")), names) == \
         ["fsdp-wgrad", "fsdp-shared-grad"]
     assert adopt.credited(case("test_summary_lines.py", "test_x", "passed"), names) == []
-    # Every target of the registry that has a test folder of its component is credited somewhere.
-    from gemm_patch.targets import REGISTRY
-
-    credited = {n for files in adopt.TEST_TARGETS.values() for n in files}
-    assert credited <= {t.name for t in REGISTRY}
 
 
 def test_a_failed_test_leaves_its_target_unverified():
     found = {"t": adopt.Found("t", "abcd", True), "u": adopt.Found("u", "ef01", True)}
-    outcomes = [adopt.Outcome("test_contract.py", "test_a[t]", "passed"),
-                adopt.Outcome("test_contract.py", "test_b[t]", "failed", "AssertionError: twice"),
-                adopt.Outcome("test_contract.py", "test_a[u]", "passed")]
+    outcomes = [adopt.Outcome("test_contract.py", "test_a[t]", "passed", proves=("t",)),
+                adopt.Outcome("test_contract.py", "test_b[t]", "failed", "AssertionError: twice", ("t",)),
+                adopt.Outcome("test_contract.py", "test_a[u]", "passed", proves=("u",))]
     result = adopt.verdicts(found, {"t": "forced", "u": "forced"}, outcomes)
     assert not result["t"].ok and "test_b[t]: AssertionError: twice" in result["t"].line()
     assert result["u"].ok
@@ -139,9 +81,68 @@ def test_a_failed_test_leaves_its_target_unverified():
 
 # -- real adoptions ---------------------------------------------------------------------------
 
-def _snapshot() -> dict[Path, bytes]:
-    files = [*sorted((ROOT / "gemm_patch" / "targets").glob("*.py")), ROOT / "compat" / "matrix.json"]
-    return {p: p.read_bytes() for p in files}
+def _snapshot(root: Path = ROOT) -> dict[Path, bytes]:
+    """Every file of the repository at ``root`` but git's, the release cache and bytecode."""
+    files = {}
+    for folder, subfolders, names in os.walk(root):
+        here = Path(folder)
+        subfolders[:] = [d for d in subfolders if d not in (".git", "__pycache__", ".pytest_cache")
+                         and here / d != root / "compat" / ".cache"]
+        files.update({(here / n).relative_to(root): (here / n).read_bytes() for n in names if n != ".git"})
+    return files
+
+
+def test_adopting_a_new_release_changes_only_data_files(tmp_path, monkeypatch):
+    """A fake megatron-core 0.19.3 adopted into a copy of the repository: its measurements are
+    given (fingerprints, test outcomes), everything from the verdicts on is adopt's own. Only
+    the release data and compat/matrix.json change, each by the lines of the new release."""
+    import subprocess
+
+    from gemm_patch import release_data
+    from gemm_patch.targets import REGISTRY
+
+    copy = tmp_path / "repo"
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                            capture_output=True, text=True, check=True).stdout.splitlines()
+    for name in listed:
+        if (ROOT / name).is_file() and not name.startswith("compat/.cache"):
+            (copy / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, copy / name)
+    core = [t for t in REGISTRY if t.distribution == "megatron-core"]
+    fresh = "0123456789abcdef"  # fsdp-wgrad's code changed; every other target's is 0.19.2's
+    found = {t.name: adopt.Found(t.name, fresh if t.name == "fsdp-wgrad" else t.fingerprints.get("0.19.2"),
+                                 "0.19.2" in t.fingerprints or t.name == "fsdp-wgrad") for t in core}
+    outcomes = [adopt.Outcome("test_contract.py", f"test_apply_revert_apply[{t.name}]", "passed", proves=(t.name,))
+                for t in core]
+    monkeypatch.setattr(adopt, "prepare", lambda spec: [adopt.Code("megatron-core", "0.19.3", [], ["tests/megatron"],
+                                                                   "3.12")])
+    monkeypatch.setattr(adopt, "interpreter", lambda code: adopt.matrix.HERE)
+    monkeypatch.setattr(adopt, "fingerprints", lambda code, python: found)
+    monkeypatch.setattr(adopt, "run_tests", lambda code, python, expected, extra: outcomes)
+    before = _snapshot(copy)
+    lines: list[str] = []
+    result = adopt.adopt("megatron-core==0.19.3", say=lines.append, root=copy)
+    after = _snapshot(copy)
+    changed = {path for path in before.keys() | after.keys() if before.get(path) != after.get(path)}
+    assert changed == {Path("gemm_patch/releases.json"), Path("compat/matrix.json")}, (changed, lines)
+    assert result["fsdp-wgrad"].state == "forced" and result["fsdp-wgrad"].ok, lines
+    data = json.loads(after[Path("gemm_patch/releases.json")])
+    for target in core:
+        table = data["targets"][target.name]["fingerprints"]
+        assert table.get("0.19.3") == found[target.name].fingerprint if found[target.name].applicable \
+            else "0.19.3" not in table, target.name
+        assert list(table) == sorted(table, key=adopt._version_key), target.name
+    diff = [line for line in difflib.ndiff(before[Path("gemm_patch/releases.json")].decode().splitlines(),
+                                           after[Path("gemm_patch/releases.json")].decode().splitlines())
+            if line[:1] in "+-"]
+    new = [line for line in diff if '"0.19.3"' in line]
+    assert len(new) == sum(found[t.name].applicable for t in core) and all(line[0] == "+" for line in new), diff
+    # Beside the new lines, only a comma where a new release became the last one of its table.
+    rest = [line for line in diff if line not in new]
+    assert [line[2:] + "," for line in rest if line[0] == "-"] == [line[2:] for line in rest if line[0] == "+"], diff
+    releases = json.loads(after[Path("compat/matrix.json")])["components"]["megatron-core"]["releases"]
+    assert releases[-1] == {"version": "0.19.3", "python": "3.12"}
+    assert dict(release_data.load()["targets"]["fsdp-wgrad"]["fingerprints"]).get("0.19.3") is None  # ours untouched
 
 
 def test_adopting_a_recorded_release_with_one_test_file(monkeypatch):

@@ -7,6 +7,7 @@ a traceback; the help is plain text; megatron's own import warnings are counted,
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -49,6 +50,20 @@ def env_for(*path: Path | str, **variables: str) -> dict[str, str]:
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([*gemm_patch_command(), *args], env=env or clean_env(), capture_output=True,
                           text=True, timeout=300)
+
+
+@functools.cache
+def on_release(command: str) -> subprocess.CompletedProcess:
+    """``gemm-patch <command>`` on RELEASE as a user's shell runs it (no PYTHONWARNINGS: Python's
+    own warning filters), once per test run: tests/test_readme_samples.py compares the same
+    output with the README."""
+    return cli(command, env=user_env())
+
+
+def user_env() -> dict[str, str]:
+    env = env_for(install(RELEASE))
+    del env["PYTHONWARNINGS"]
+    return env
 
 
 def last_line(text: str) -> str:
@@ -96,7 +111,7 @@ def test_demo_on_a_release_without_the_fsdp_call_says_so_and_exits_2(version):
 
 
 def test_demo_shows_the_crash_then_the_fix():
-    proc = cli("demo", env=env_for(install(RELEASE)))
+    proc = on_release("demo")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"megatron-core {RELEASE}" in proc.stdout
     assert "unpatched, fp32 main_grad: RuntimeError" in proc.stdout
@@ -188,8 +203,8 @@ def test_a_usage_error_exits_2():
 
 
 def test_status_counts_megatron_warnings_instead_of_showing_them():
-    env = env_for(install(RELEASE), PYTHONWARNINGS="default")
-    proc = cli("status", env=env)
+    env = user_env()
+    proc = on_release("status")
     assert proc.returncode == 0, proc.stderr
     assert "Warning:" not in proc.stderr and "warnings.warn" not in proc.stderr, proc.stderr
     notes = [m for line in proc.stdout.splitlines() if (m := WARNINGS_NOTE.search(line))]

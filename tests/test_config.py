@@ -19,7 +19,7 @@ def test_flags(raw, expected):
     "var,value,accepted",
     [
         ("GEMM_PATCH", "maybe", "1, true, yes, on, 0, false, no, off"),
-        ("GEMM_PATCH_BACKEND", "cublas", "auto, te, native, fallback"),
+        ("GEMM_PATCH_BACKEND", "cublas", "auto, native, te, fallback"),
         ("GEMM_PATCH_LOG_LEVEL", "loud", "DEBUG, INFO, WARNING, ERROR"),
         ("GEMM_PATCH_STRICT", "2", "1, true"),
         ("GEMM_PATCH_ALLOW_UNVERIFIED", "perhaps", "1, true"),

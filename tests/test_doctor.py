@@ -53,8 +53,8 @@ def test_doctor_fails_when_the_forced_backend_is_missing():
 def test_doctor_fails_on_a_bad_value_naming_it():
     proc = cli("doctor", "--no-import", GEMM_PATCH_BACKEND="cublas")
     assert proc.returncode == 1
-    assert "configuration error: GEMM_PATCH_BACKEND='cublas' is not accepted; use one of auto, te, " \
-           "native, fallback" in proc.stdout
+    assert "configuration error: GEMM_PATCH_BACKEND='cublas' is not accepted; use one of auto, native, " \
+           "te, fallback" in proc.stdout
 
 
 class _RoundsTo16Bit(Backend):

@@ -124,7 +124,7 @@ def test_torchrun_gloo_workers_are_patched_and_match_fp64(tmp_path):
 
 
 @pytest.mark.parametrize("variable, value, accepted", [
-    ("GEMM_PATCH_BACKEND", "cublas", "auto, te, native, fallback"),
+    ("GEMM_PATCH_BACKEND", "cublas", "auto, native, te, fallback"),
     ("GEMM_PATCH", "maybe", "1, true, yes, on, 0, false, no, off"),
 ])
 def test_a_bad_value_is_one_message_and_an_unpatched_running_child(variable, value, accepted, tmp_path):

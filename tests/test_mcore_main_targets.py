@@ -35,6 +35,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "compat"))
 import megatron_lm  # noqa: E402
 
+pytestmark = pytest.mark.proves("fsdp-wgrad-gemm", "fsdp-te-overwrite-by-strategy", "mfsdp-te-overwrite-by-strategy",
+                                "moe-te-overwrite", "fsdp-one-rank-scale", "mfsdp-one-rank-scale")
+
 # compat/adopt.py tests another commit's code against main's tables through this variable.
 COMMIT = os.environ.get("GEMM_PATCH_MAIN_COMMIT") or megatron_main.COMMIT
 

@@ -25,7 +25,6 @@ from typing import Any
 
 from ..apex_analysis import find_apex_usage
 from ..target import NOT_APPLICABLE, OFF, PATCHED_STATES, PENDING, SKIPPED, Inspection, Target, TargetStatus, Undo
-from . import megatron_main
 
 EXTENSION = "fused_weight_gradient_mlp_cuda"
 APEX_REAL = "apex real"  # apex's own extension imported: nothing to provide
@@ -171,25 +170,5 @@ TARGET = ApexWgradTarget(
     extension=EXTENSION,
     flag="_grad_accum_fusion_available",
     calls=("wgrad_gemm_accum_fp32", "wgrad_gemm_accum_fp16"),
-    fingerprints={
-        # The guarded import, ColumnParallelLinear's check and the two backward calls have not
-        # changed from 0.13.1 to 0.19.2 (RowParallelLinear has no check in any of them).
-        "0.13.0": "08d38a954a90ad6e",
-        "0.13.1": "08d38a954a90ad6e",
-        "0.14.0": "08d38a954a90ad6e",
-        "0.15.0": "08d38a954a90ad6e",
-        "0.15.1": "08d38a954a90ad6e",
-        "0.15.2": "08d38a954a90ad6e",
-        "0.15.3": "08d38a954a90ad6e",
-        "0.16.0": "08d38a954a90ad6e",
-        "0.16.1": "08d38a954a90ad6e",
-        "0.17.0": "08d38a954a90ad6e",
-        "0.17.1": "08d38a954a90ad6e",
-        "0.18.0": "08d38a954a90ad6e",
-        "0.18.2": "08d38a954a90ad6e",
-        "0.19.0": "08d38a954a90ad6e",
-        "0.19.2": "08d38a954a90ad6e",
-        megatron_main.RELEASE: "08d38a954a90ad6e",
-    },
 )
 

@@ -42,7 +42,6 @@ from ..callsite import (
     find_calls,
 )
 from ..target import Inspection, MethodTarget, PatchedTwin, Undo
-from . import megatron_main
 from .fsdp_rules import main_grad_alias, wgrad_accumulates
 
 LAYERS = "megatron.core.tensor_parallel.layers"
@@ -172,22 +171,6 @@ TARGET = CallSiteTarget(
     replacement=fsdp_wgrad,
     also={TE_CALL: fsdp_wgrad_te},
     **_BACKWARD,
-    fingerprints={
-        # 0.13.x has no such call: not applicable, nothing to record.
-        "0.14.0": "7ec854ca9d6a137e",
-        "0.15.0": "7ec854ca9d6a137e",
-        "0.15.1": "7ec854ca9d6a137e",
-        "0.15.2": "7ec854ca9d6a137e",
-        "0.15.3": "7ec854ca9d6a137e",
-        "0.16.0": "7ec854ca9d6a137e",
-        "0.16.1": "7ec854ca9d6a137e",
-        "0.17.0": "7ec854ca9d6a137e",
-        "0.17.1": "7ec854ca9d6a137e",
-        "0.18.0": "eeb4af4511d4b4e2",
-        "0.18.2": "eeb4af4511d4b4e2",  # the torch.matmul left in the no-TE else-branch
-        "0.19.0": "8052bd62d48b6d81",
-        "0.19.2": "8052bd62d48b6d81",
-    },
 )
 
 
@@ -209,8 +192,4 @@ GEMM_TARGET = CallSiteTarget(
     replacement=fsdp_wgrad_gemm,
     also={},
     **_BACKWARD,
-    fingerprints={
-        # 0.13.x-0.19.x: no such call (fsdp-wgrad's torch.matmul instead): not applicable.
-        megatron_main.RELEASE: "5bed6b0307f4975f",
-    },
 )

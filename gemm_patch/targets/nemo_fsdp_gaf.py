@@ -147,20 +147,4 @@ TARGET = NemoFusionTarget(
     relies_on="init_ddp",
     owner="MegatronParallel",
     attribute="init_ddp",
-    fingerprints={
-        # 2.5.0's branch is for megatron-core's custom_fsdp (0.13 and older, where fsdp-wgrad is
-        # not applicable): installed, it always lets NeMo decide. 2.5.1 added Megatron-FSDP.
-        "2.5.0": "ae529f4485fab768",
-        "2.5.1": "209172e966c00e91",
-        "2.5.2": "209172e966c00e91",
-        "2.5.3": "209172e966c00e91",
-        "2.6.0": "209172e966c00e91",
-        "2.6.1": "209172e966c00e91",
-        "2.6.2": "209172e966c00e91",
-        "2.7.0": "209172e966c00e91",
-        "2.7.1": "209172e966c00e91",
-        "2.7.2": "209172e966c00e91",
-        "2.7.3": "209172e966c00e91",
-        # 3.0.0 has no nemo.lightning.megatron_parallel: not applicable.
-    },
 )

@@ -38,7 +38,6 @@ import wrapt
 
 from ..callsite import CallSiteError, check_live_function_is_source, check_live_is_source, fingerprint, parse_method
 from ..target import Inspection, MethodTarget, Target, Undo
-from . import megatron_main
 
 FUNCTION = "gradient_reduce_preprocessing"
 PREMUL = "torch.distributed._make_nccl_premul_sum"
@@ -148,8 +147,6 @@ _COMMON = dict(
     relies_on=f"{FUNCTION}, DataParallelBuffer.__init__ and {BUFFERS}.{UPDATE}",
     owner="DataParallelBuffer",
     attribute="__init__",
-    # Megatron-LM PR #6773 (head c00aacff): the preprocessing scales a one-rank bucket itself.
-    fixed_upstream={"b44447dadb21015e": "Megatron-LM PR #6773 scales a one-rank group's gradient itself"},
 )
 
 TARGET = OneRankScaleTarget(
@@ -157,14 +154,6 @@ TARGET = OneRankScaleTarget(
     distribution="megatron-core",
     module="megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp",
     buffers_module="megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer",
-    fingerprints={
-        # 0.13.x: no megatron_fsdp package (custom_fsdp).
-        **dict.fromkeys(("0.14.0", "0.15.0", "0.15.1", "0.15.2", "0.15.3"), "da63c2a46cc75554"),
-        **dict.fromkeys(("0.16.0", "0.16.1"), "38795255d2f6cf9d"),
-        **dict.fromkeys(("0.17.0", "0.17.1"), "518fe44c60aef944"),
-        **dict.fromkeys(("0.18.0", "0.18.2", "0.19.0", "0.19.2"), "a7bd3f00f3ee9082"),
-        megatron_main.RELEASE: "a7bd3f00f3ee9082",  # = 0.19.2
-    },
     **_COMMON,
 )
 
@@ -174,12 +163,5 @@ STANDALONE = OneRankScaleTarget(
     distribution="megatron-fsdp",
     module="megatron_fsdp.megatron_fsdp",
     buffers_module="megatron_fsdp.param_and_grad_buffer",
-    fingerprints={
-        **dict.fromkeys(("0.1.0", "0.2.0", "0.2.1", "0.2.2", "0.2.3"), "da63c2a46cc75554"),
-        **dict.fromkeys(("0.3.0", "0.3.1"), "38795255d2f6cf9d"),
-        "0.4.0": "518fe44c60aef944",
-        **dict.fromkeys(("0.5.0", "0.5.1", "0.6.0", "0.6.1"), "a7bd3f00f3ee9082"),
-        megatron_main.RELEASE: "a7bd3f00f3ee9082",
-    },
     **_COMMON,
 )

@@ -54,6 +54,7 @@ import types
 from dataclasses import dataclass
 from typing import Any
 
+from .. import release_data
 from ..callsite import (
     AnalysedFunction,
     CallSiteError,
@@ -64,7 +65,6 @@ from ..callsite import (
     parse_method,
 )
 from ..target import Inspection, MethodTarget, PatchedTwin, Undo
-from . import megatron_main
 from .fsdp_rules import hooks_end_records, is_fsdp_param, restore_written_flag, without_pending_uses
 
 NESTED = "_grad_acc"
@@ -180,7 +180,14 @@ def _edit_both(funcdef: ast.FunctionDef) -> None:
 class SharedGradTarget(MethodTarget):
     # Fingerprints of the method where every module call's weight arguments pass through the
     # identity Function (0.14-0.15): the twin keeps Megatron-FSDP parameters out of it there.
-    param_arg_fingerprints: frozenset[str] = frozenset()
+    # None (the default): the target's entry in gemm_patch/releases.json.
+    param_arg_fingerprints: frozenset[str] = None  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.param_arg_fingerprints is None:
+            object.__setattr__(self, "param_arg_fingerprints", frozenset(
+                release_data.target(self.name).get("param_arg_fingerprints", ())))
 
     def inspect(self, module: types.ModuleType) -> Inspection:
         funcdef = parse_method(module, self.owner, self.attribute)
@@ -218,30 +225,12 @@ _COMMON = dict(
     relies_on="hook registration",
     owner="MegatronFSDP",
     attribute="_register_fsdp_hooks",
-    param_arg_fingerprints=frozenset({"99228b570bb84d8e"}),  # megatron-core 0.14.0-0.15.3, megatron-fsdp 0.1.0-0.2.3
 )
 
 TARGET = SharedGradTarget(
     name="fsdp-shared-grad",
     distribution="megatron-core",
     module="megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp",
-    fingerprints={
-        # 0.13.x: no Megatron-FSDP module (custom_fsdp's _grad_acc has no such statement).
-        "0.14.0": "99228b570bb84d8e",
-        "0.15.0": "99228b570bb84d8e",
-        "0.15.1": "99228b570bb84d8e",
-        "0.15.2": "99228b570bb84d8e",
-        "0.15.3": "99228b570bb84d8e",
-        "0.16.0": "62f5447e61f4d33c",
-        "0.16.1": "62f5447e61f4d33c",
-        "0.17.0": "42da297bc646f54b",
-        "0.17.1": "42da297bc646f54b",
-        "0.18.0": "f5f26f551e2b148a",
-        "0.18.2": "f5f26f551e2b148a",
-        "0.19.0": "983ac5ad1757938e",
-        "0.19.2": "983ac5ad1757938e",
-        megatron_main.RELEASE: "bdc0b083616c6418",
-    },
     **_COMMON,
 )
 
@@ -251,20 +240,5 @@ STANDALONE = SharedGradTarget(
     name="mfsdp-shared-grad",
     distribution="megatron-fsdp",
     module="megatron_fsdp.megatron_fsdp",
-    fingerprints={
-        "0.1.0": "99228b570bb84d8e",  # = megatron-core 0.14.0-0.15.3's copy
-        "0.2.0": "99228b570bb84d8e",
-        "0.2.1": "99228b570bb84d8e",
-        "0.2.2": "99228b570bb84d8e",
-        "0.2.3": "99228b570bb84d8e",
-        "0.3.0": "62f5447e61f4d33c",  # = 0.16.x
-        "0.3.1": "62f5447e61f4d33c",
-        "0.4.0": "42da297bc646f54b",  # = 0.17.x
-        "0.5.0": "f5f26f551e2b148a",  # = 0.18.x
-        "0.5.1": "f5f26f551e2b148a",
-        "0.6.0": "983ac5ad1757938e",  # = 0.19.x
-        "0.6.1": "983ac5ad1757938e",
-        megatron_main.RELEASE: "bdc0b083616c6418",
-    },
     **_COMMON,
 )

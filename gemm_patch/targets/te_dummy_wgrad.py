@@ -92,13 +92,4 @@ TARGET = DummyWgradTarget(
     distribution="transformer-engine",
     module="transformer_engine.pytorch",
     relies_on=f"{NAME} and its calls",
-    fingerprints={
-        # TE 2.8-2.20, the Python files of each PyPI wheel (compat/te_sources.py); the function
-        # changed its key (2.14) and its callers their argument names (2.15, 2.19), not what
-        # the dummy is.
-        **dict.fromkeys(("2.8.0", "2.9.0", "2.10.0", "2.11.0", "2.12.0", "2.13.0"), "d227bdcb3b8c9aea"),
-        "2.14.0": "acce6f74777024e1",
-        **dict.fromkeys(("2.15.0", "2.16.0", "2.17.0", "2.18.0"), "0901f5f3d95da38e"),
-        **dict.fromkeys(("2.19.0", "2.20.2"), "8f50cdf639f2d308"),
-    },
 )

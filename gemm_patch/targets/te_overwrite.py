@@ -39,7 +39,6 @@ import wrapt
 
 from ..callsite import check_live_is_source, find_statement
 from ..target import Inspection, MethodTarget, Undo
-from . import megatron_main
 from .fsdp_rules import main_grad_is_persistent
 
 STATEMENT = "param.overwrite_main_grad = True"
@@ -117,21 +116,6 @@ TARGET = OverwriteFlagTarget(
     module=MCORE_FSDP,
     relies_on=f"`{STATEMENT}` method",
     **_UNSHARD,
-    fingerprints={
-        # 0.13.x has no such module (custom_fsdp sets no flag), 0.14.0 no such statement.
-        "0.15.0": "cc3e6cbc490ab4f5",
-        "0.15.1": "cc3e6cbc490ab4f5",
-        "0.15.2": "cc3e6cbc490ab4f5",
-        "0.15.3": "cc3e6cbc490ab4f5",
-        "0.16.0": "3c8b4af212ce4004",
-        "0.16.1": "3c8b4af212ce4004",  # + the bwd argument
-        "0.17.0": "3c8b4af212ce4004",
-        "0.17.1": "3c8b4af212ce4004",
-        "0.18.0": "3c8b4af212ce4004",
-        "0.18.2": "3c8b4af212ce4004",
-        "0.19.0": "3c8b4af212ce4004",
-        "0.19.2": "3c8b4af212ce4004",
-    },
 )
 
 # The same class shipped on its own (PyPI megatron-fsdp, imported as ``megatron_fsdp``), keyed by
@@ -142,19 +126,6 @@ STANDALONE = OverwriteFlagTarget(
     module="megatron_fsdp.megatron_fsdp",
     relies_on=f"`{STATEMENT}` method",
     **_UNSHARD,
-    fingerprints={
-        "0.2.0": "cc3e6cbc490ab4f5",
-        "0.2.1": "cc3e6cbc490ab4f5",
-        "0.2.2": "cc3e6cbc490ab4f5",
-        "0.2.3": "cc3e6cbc490ab4f5",  # = megatron-core 0.15.3's copy
-        "0.3.0": "3c8b4af212ce4004",
-        "0.3.1": "3c8b4af212ce4004",
-        "0.4.0": "3c8b4af212ce4004",
-        "0.5.0": "3c8b4af212ce4004",
-        "0.5.1": "3c8b4af212ce4004",
-        "0.6.0": "3c8b4af212ce4004",
-        "0.6.1": "3c8b4af212ce4004",
-    },
 )
 
 
@@ -170,8 +141,6 @@ BY_STRATEGY_TARGET = OverwriteFlagTarget(
     name="fsdp-te-overwrite-by-strategy",
     distribution="megatron-core",
     module=MCORE_FSDP,
-    # 0.13.x-0.19.x: `param.overwrite_main_grad = True` (fsdp-te-overwrite) or nothing.
-    fingerprints={megatron_main.RELEASE: "5666668a84917ee9"},
     **_BY_STRATEGY_COMMON,
 )
 
@@ -179,8 +148,6 @@ BY_STRATEGY_STANDALONE = OverwriteFlagTarget(
     name="mfsdp-te-overwrite-by-strategy",
     distribution="megatron-fsdp",
     module="megatron_fsdp.megatron_fsdp",
-    # 0.1.0-0.6.1: the unconditional statement (mfsdp-te-overwrite) or nothing.
-    fingerprints={megatron_main.RELEASE: "5666668a84917ee9"},
     **_BY_STRATEGY_COMMON,
 )
 
@@ -215,10 +182,4 @@ MOE_TARGET = ExpertFlagTarget(
     owner="TEGroupedMLP",
     attribute="_ensure_main_grad",
     statement=STATEMENT,
-    fingerprints={
-        # 0.13.x-0.18.x: no TEGroupedMLP._ensure_main_grad (not applicable).
-        "0.19.0": "85079750849ec616",
-        "0.19.2": "85079750849ec616",
-        megatron_main.RELEASE: "85079750849ec616",  # = 0.19.2
-    },
 )

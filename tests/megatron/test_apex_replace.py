@@ -24,8 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import contract  # noqa: E402
 
 EXPECT_APEX = expected("apex-wgrad")
-pytestmark = pytest.mark.skipif(EXPECT_APEX not in ("verified", "compatible"),
-                                reason=f"apex-wgrad is {EXPECT_APEX} on this release")
+pytestmark = [pytest.mark.skipif(EXPECT_APEX not in ("verified", "compatible"),
+                                reason=f"apex-wgrad is {EXPECT_APEX} on this release"),
+              pytest.mark.proves("apex-wgrad")]
 
 _RUN = """
 import torch

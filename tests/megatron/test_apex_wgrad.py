@@ -19,6 +19,8 @@ from megatron_cpu import FUSION_MESSAGE, build, config, model_parallel, step, un
 import gemm_patch
 from gemm_patch.targets.apex_wgrad import STAND_IN, is_stand_in
 
+pytestmark = pytest.mark.proves("apex-wgrad")
+
 EXPECT_APEX = expected("apex-wgrad")
 PROVIDED = EXPECT_APEX in ("verified", "compatible", "forced")
 EXT = "fused_weight_gradient_mlp_cuda"

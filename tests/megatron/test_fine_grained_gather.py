@@ -34,6 +34,8 @@ from test_shared_weights import (  # noqa: F401  (fixtures: parallel, shared_on,
     train,
 )
 
+pytestmark = pytest.mark.proves("fsdp-wgrad", "fsdp-shared-grad", "mfsdp-shared-grad")
+
 MICRO_BATCHES = 3
 
 

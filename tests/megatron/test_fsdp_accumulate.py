@@ -21,6 +21,8 @@ from conftest import APPLICABLE, layers, torch
 import gemm_patch
 from gemm_patch.targets.fsdp_rules import main_grad_is_persistent
 
+pytestmark = pytest.mark.proves("fsdp-wgrad")
+
 needs_call_site = pytest.mark.skipif(not APPLICABLE, reason="release has no such call site")
 
 

@@ -20,7 +20,8 @@ from test_safety import run
 
 import gemm_patch
 
-pytestmark = pytest.mark.skipif(not APPLICABLE, reason="release has no such call site")
+pytestmark = [pytest.mark.skipif(not APPLICABLE, reason="release has no such call site"),
+              pytest.mark.proves("fsdp-wgrad")]
 
 
 def storage_of(tensor) -> int:

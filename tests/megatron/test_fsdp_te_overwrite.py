@@ -31,6 +31,8 @@ from unshard import fsdp_param  # noqa: E402
 import gemm_patch
 from gemm_patch import detection
 
+pytestmark = pytest.mark.proves("fsdp-te-overwrite")
+
 MODULE = "megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp"
 METHOD = "all_gather_and_wait_parameters_ready"
 EXPECT = expected("fsdp-te-overwrite")
@@ -200,7 +202,7 @@ print({{t.name: t.state for t in gemm_patch.status().targets}}["fsdp-te-overwrit
 
 
 @needs_patch
-@pytest.mark.parametrize("rank", ["0", "1"])
+@pytest.mark.parametrize("rank", ["0", pytest.param("1", marks=pytest.mark.common_machinery)])
 def test_one_summary_line_and_at_most_one_more_on_rank_0(rank):
     out = _run(_IMPORTS, RANK=rank, GEMM_PATCH_LOG_LEVEL="INFO")
     assert out.returncode == 0 and out.stdout.split()[-1] == EXPECT, out.stderr
@@ -226,7 +228,8 @@ print({{t.name: t.state for t in gemm_patch.status().targets}}["fsdp-te-overwrit
 
 
 @needs_patch
-@pytest.mark.parametrize("mode", ["default", "strict", "allow"])
+@pytest.mark.parametrize("mode", [pytest.param("default", marks=pytest.mark.common_machinery),
+                                  pytest.param("strict", marks=pytest.mark.common_machinery), "allow"])
 def test_unknown_code_is_left_alone_unless_allowed_and_refused_in_strict_mode(mode):
     out = _run(_UNKNOWN_RELEASE, GEMM_PATCH_STRICT="1" if mode == "strict" else "0",
                GEMM_PATCH_ALLOW_UNVERIFIED="1" if mode == "allow" else "0")

@@ -13,6 +13,8 @@ from megatron_cpu import unknown_release
 
 import gemm_patch
 
+pytestmark = pytest.mark.proves("fsdp-wgrad")
+
 FUNCTION = layers.LinearWithGradAccumulationAndAsyncCommunication
 needs_call_site = pytest.mark.skipif(not APPLICABLE, reason="release has no such call site")
 
@@ -127,6 +129,7 @@ def test_concurrent_apply_and_revert_leave_a_consistent_state():
 
 
 @needs_call_site
+@pytest.mark.common_machinery
 @pytest.mark.parametrize("order", ["gemm_patch_first", "megatron_first"])
 def test_import_order_does_not_matter(order):
     imports = ["import gemm_patch", "import megatron.core.tensor_parallel.layers as L"]
@@ -159,7 +162,8 @@ print(gemm_patch.status().targets[0].state)
 
 
 @needs_call_site
-@pytest.mark.parametrize("mode", ["default", "strict", "allow"])
+@pytest.mark.parametrize("mode", [pytest.param("default", marks=pytest.mark.common_machinery),
+                                  pytest.param("strict", marks=pytest.mark.common_machinery), "allow"])
 def test_unknown_code_is_left_alone_unless_allowed_and_refused_in_strict_mode(mode):
     env = {**os.environ, "GEMM_PATCH_STRICT": "1" if mode == "strict" else "0",
            "GEMM_PATCH_ALLOW_UNVERIFIED": "1" if mode == "allow" else "0"}

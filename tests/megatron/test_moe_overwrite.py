@@ -32,6 +32,8 @@ import gemm_patch
 from gemm_patch import detection
 from gemm_patch.targets.te_overwrite import MOE_TARGET as TARGET
 
+pytestmark = pytest.mark.proves("moe-te-overwrite")
+
 experts = pytest.importorskip("megatron.core.transformer.moe.experts")
 try:
     fsdp = importlib.import_module("megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp")

@@ -30,6 +30,8 @@ import gemm_patch
 from gemm_patch import detection
 from gemm_patch.targets.one_rank_scale import TARGET
 
+pytestmark = pytest.mark.proves("fsdp-one-rank-scale")
+
 try:
     pgb = importlib.import_module(TARGET.buffers_module)
 except ImportError:

@@ -21,7 +21,8 @@ NAME = "megatron.core.tensor_parallel.layers"
 PACKAGE = "megatron.core.tensor_parallel"
 MICRO_BATCHES = 4
 
-pytestmark = pytest.mark.skipif(not APPLICABLE, reason="release has no Megatron-FSDP wgrad call site")
+pytestmark = [pytest.mark.skipif(not APPLICABLE, reason="release has no Megatron-FSDP wgrad call site"),
+              pytest.mark.proves("fsdp-wgrad")]
 
 
 class PersistentBuffer:

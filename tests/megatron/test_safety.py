@@ -15,6 +15,9 @@ from pathlib import Path
 import pytest
 from conftest import APPLICABLE, layers
 
+# The gate's default and strict modes, threads, reloads: the same machinery on every release.
+pytestmark = [pytest.mark.proves("fsdp-wgrad"), pytest.mark.common_machinery]
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 needs_call_site = pytest.mark.skipif(not APPLICABLE, reason="this release has no Megatron-FSDP wgrad call site")

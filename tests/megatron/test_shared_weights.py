@@ -37,6 +37,8 @@ from gemm_patch import config, detection
 from gemm_patch.callsite import fingerprint, parse_method
 from gemm_patch.targets import fsdp_rules, shared_grad
 
+pytestmark = pytest.mark.proves("fsdp-wgrad", "fsdp-shared-grad", "mfsdp-shared-grad")
+
 ATTR = "_register_fsdp_hooks"
 TOL = 1e-2  # bf16 activations and embedding gradient: <= 3e-3 seen; a lost use is > 0.2 (asserted below)
 

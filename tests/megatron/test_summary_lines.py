@@ -38,7 +38,8 @@ def info_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("[gemm_patch] INFO:")]
 
 
-@pytest.mark.parametrize("rank", [None, "0"], ids=["no RANK", "RANK=0"])
+@pytest.mark.parametrize("rank", [pytest.param(None, id="no RANK", marks=pytest.mark.common_machinery),
+                                  pytest.param("0", id="RANK=0")])
 def test_rank_0_names_each_fix_once_at_info(rank):
     out = run(rank)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -55,6 +56,7 @@ def test_rank_0_names_each_fix_once_at_info(rank):
     assert not [line for line in out.stderr.splitlines() if "WARNING" in line or "ERROR" in line], out.stderr
 
 
+@pytest.mark.common_machinery
 def test_other_ranks_say_nothing_at_info():
     out = run("1")
     assert out.returncode == 0, out.stderr[-3000:]

@@ -26,6 +26,8 @@ from conftest import expected, torch
 import gemm_patch
 from gemm_patch.targets.one_rank_scale import STANDALONE
 
+pytestmark = pytest.mark.proves("mfsdp-one-rank-scale")
+
 pgb = pytest.importorskip(STANDALONE.buffers_module)
 NAME = STANDALONE.name
 EXPECT = expected(NAME)

@@ -23,6 +23,8 @@ import gemm_patch
 from gemm_patch import detection
 from gemm_patch.targets import by_name
 
+pytestmark = pytest.mark.proves("mfsdp-te-overwrite")
+
 TARGET = by_name("mfsdp-te-overwrite")
 EXPECT = expected(TARGET.name)
 PATCHED = EXPECT in ("verified", "compatible", "forced")

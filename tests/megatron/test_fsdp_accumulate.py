@@ -13,6 +13,9 @@ megatron's own fused-wgrad autograd function and checks what the buffer ends up 
 from __future__ import annotations
 
 import importlib.util
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -178,3 +181,59 @@ def test_unpatched_release_overwrites_the_persistent_buffer(cpu_dummy_wgrad):
         assert rel(gbuf.data.view(weight.shape), exact[-1]) < 2 ** -7
     finally:
         gemm_patch.apply()
+
+
+# A fresh process: loads the weight saved by the test below, gives it Megatron-FSDP's attributes
+# (a fresh, NaN-poisoned bucket), runs as many backwards as autograd's graph-task counter, which
+# starts at 0 in every process, needs to reach the id of the backward that wrote it before it
+# was saved, and then one fused backward with that id: the first write of a bucket, which must
+# overwrite it.
+_LOAD_AND_WRITE = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import torch
+torch.cuda.current_device = lambda: "cpu"  # megatron's dummy wgrad without TE
+import gemm_patch
+gemm_patch.apply()
+from test_fsdp_accumulate import GradBuffer, backward_micro_batches, rel
+weight = torch.load(sys.argv[2], weights_only=False)
+gbuf = GradBuffer(weight.numel(), torch.float32, True)
+weight._gbuf, weight.get_main_grad = gbuf, lambda: gbuf.fetch_bucket().view(weight.shape)
+seen = []
+for _ in range(int(sys.argv[3])):
+    y = torch.ones(1, requires_grad=True) * 2
+    y.register_hook(lambda g: seen.append(torch._C._current_graph_task_id()))
+    y.sum().backward()
+assert seen == list(range(int(sys.argv[3]))), seen  # the next backward is the saved one's id
+exact = next(backward_micro_batches(weight, 1))
+got = gbuf.buckets[-1].view(weight.shape)
+print(json.dumps({"rel": rel(got, exact), "nan": bool(torch.isnan(got).any())}))
+"""
+
+
+@needs_call_site
+@pytest.mark.common_machinery
+def test_a_saved_weight_carries_no_record_into_another_process(patched, cpu_dummy_wgrad, tmp_path):
+    """A fused write's record (which backward last wrote the weight's bucket) is kept in this
+    process, not in the parameter: torch.save of a weight whose hooks had not ended the record
+    (here: no hooks at all), then torch.load in a new process, where graph-task ids start at 0
+    again, must not make that process's first write add into its unzeroed bucket."""
+    weight, _ = megatron_fsdp_param(40, 32, distributed=True)
+    task = []
+    x = torch.randn(48, 32).to(torch.bfloat16).requires_grad_()
+    y = layers.linear_with_grad_accumulation_and_async_allreduce(
+        x, weight, None, gradient_accumulation_fusion=True, allreduce_dgrad=False, sequence_parallel=False)
+    y.register_hook(lambda g: task.append(torch._C._current_graph_task_id()))
+    y.backward(torch.randn(y.shape).to(torch.bfloat16))
+    assert weight.grad_added_to_main_grad and task and task[0] >= 0, "no fused write in a graph task"
+    # What torch.save can pickle of a Megatron-FSDP parameter (its buffer and getter are not).
+    weight.grad, weight.main_grad, weight.grad_added_to_main_grad = None, None, False  # zero_grad_buffer()
+    del weight._gbuf, weight.get_main_grad
+    torch.save(weight, tmp_path / "weight.pt")
+    out = subprocess.run([sys.executable, "-c", _LOAD_AND_WRITE, str(Path(__file__).parent),
+                          str(tmp_path / "weight.pt"), str(task[0])],
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert not result["nan"], "the loaded record made the first write add into the unzeroed bucket"
+    assert result["rel"] < 1e-6, result

@@ -42,7 +42,7 @@ from ..callsite import (
     find_calls,
 )
 from ..target import Inspection, MethodTarget, PatchedTwin, Undo
-from .fsdp_rules import main_grad_alias, wgrad_accumulates
+from .fsdp_rules import is_fsdp_param, main_grad_alias, wgrad_accumulates
 
 LAYERS = "megatron.core.tensor_parallel.layers"
 CALL = "torch.matmul(grad_output.t(), total_input, out=weight.main_grad)"
@@ -105,7 +105,54 @@ def fsdp_dummy_wgrad_empty(shape: Any, *, dtype: Any, param: Any = None, **kwarg
     return torch.empty(shape, dtype=dtype, **kwargs)
 
 
-DUMMY_CALLS = {TE_DUMMY: fsdp_dummy_wgrad_te, EMPTY_DUMMY: fsdp_dummy_wgrad_empty}
+# A weight megatron marks ``zero_out_wgrad`` (the tied embedding/output weight) gets a zeros dummy.
+ZERO_TE_DUMMY = "get_dummy_wgrad(list(weight.main_grad.shape), input.dtype, zero=True)"
+ZERO_DUMMY = ("torch.zeros(weight.main_grad.shape, dtype=input.dtype, device=torch.cuda.current_device(), "
+              "requires_grad=False)")
+
+
+def broadcast_zero(param: Any, shape: Any, dtype: Any) -> Any:
+    """Zeros of ``shape`` and ``dtype`` on ``param``'s device, one element broadcast (stride 0),
+    for a Megatron-FSDP parameter outside CUDA-graph capture; else None.
+
+    The zeros dummy of a ``zero_out_wgrad`` weight is read, never written: autograd sums it with
+    the weight's other gradients (the embedding lookup's), adding into the other, dense operand
+    or into a new tensor (its input buffer adds in place only into a dense tensor whose storage
+    it holds alone), and gives ``param.grad`` a dense copy where the dummy arrives alone (a
+    gradient that does not match the weight's strides is cloned). Megatron-FSDP's ``_grad_acc``
+    then reads ``param.grad``. Every sum has the same bits as with megatron's full zeros (x + 0,
+    element by element), and nothing persists: TE's ``get_dummy_wgrad(..., zero=True)`` keeps a
+    full tensor per shape for the process (1 GiB for a 128256 x 4096 output layer) and zero-fills
+    it every backward. A write into the broadcast tensor would raise, not go astray. During
+    capture megatron's own call runs (a graph replays fixed addresses)."""
+    if not is_fsdp_param(param):
+        return None
+    import torch
+
+    if param.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    return torch.zeros((), dtype=dtype, device=param.device).expand(shape)
+
+
+def fsdp_zero_dummy_wgrad_te(shape: Any, dtype: Any, zero: bool = False, *, param: Any = None) -> Any:
+    """Stands in for ``get_dummy_wgrad(list(weight.main_grad.shape), input.dtype, zero=True)``."""
+    zeros = broadcast_zero(param, shape, dtype) if zero else None
+    return zeros if zeros is not None else sys.modules[LAYERS].get_dummy_wgrad(shape, dtype, zero=zero)
+
+
+def fsdp_zero_dummy_wgrad(shape: Any, *, dtype: Any, param: Any = None, **kwargs: Any) -> Any:
+    """Stands in for megatron's ``torch.zeros(weight.main_grad.shape, dtype=input.dtype, ...)``
+    dummy (no TE)."""
+    zeros = broadcast_zero(param, shape, dtype)
+    if zeros is not None:
+        return zeros
+    import torch
+
+    return torch.zeros(shape, dtype=dtype, **kwargs)
+
+
+DUMMY_CALLS = {TE_DUMMY: fsdp_dummy_wgrad_te, EMPTY_DUMMY: fsdp_dummy_wgrad_empty,
+               ZERO_TE_DUMMY: fsdp_zero_dummy_wgrad_te, ZERO_DUMMY: fsdp_zero_dummy_wgrad}
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -147,7 +194,7 @@ class CallSiteTarget(MethodTarget):
                 matches = find_assigned_calls(found.payload.funcdef, call)
                 if matches:
                     redirects.append(Redirect(matches, f"_gemm_patch_dummy_{i}", replacement, keywords))
-            note = ("dummy grad_weight: a view of main_grad" if aliased
+            note = ("dummy grad_weight: a view of main_grad, zeros broadcast" if aliased
                     else f"dummy grad_weight: megatron's ({self.dummy_switch}=0)")
         twin = build_twin(found.payload, self.where, redirects)
         self.replace(module, undo, PatchedTwin(self.live_object(module), twin))

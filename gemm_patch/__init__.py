@@ -7,7 +7,7 @@ Importing this package never imports torch, Transformer Engine or megatron.
 
 from __future__ import annotations
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 from . import patcher as _patcher  # noqa: E402
 from .patcher import GemmPatchError, Status, apply, revert, status  # noqa: E402

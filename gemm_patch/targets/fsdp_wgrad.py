@@ -194,7 +194,7 @@ class CallSiteTarget(MethodTarget):
                 matches = find_assigned_calls(found.payload.funcdef, call)
                 if matches:
                     redirects.append(Redirect(matches, f"_gemm_patch_dummy_{i}", replacement, keywords))
-            note = ("dummy grad_weight: a view of main_grad, zeros broadcast" if aliased
+            note = ("dummy grad_weight: a view of main_grad" if aliased
                     else f"dummy grad_weight: megatron's ({self.dummy_switch}=0)")
         twin = build_twin(found.payload, self.where, redirects)
         self.replace(module, undo, PatchedTwin(self.live_object(module), twin))

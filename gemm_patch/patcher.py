@@ -11,6 +11,7 @@ The patcher knows no target by name: the package hands it the registry (``use_ta
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import threading
@@ -248,20 +249,21 @@ def _inherit_originals(undo: Undo, earlier: list[_Install]) -> None:
     """A module executed again while an earlier install was in place may have taken gemm_patch's
     object as its own (apex's stand-in, imported from sys.modules, and the flag it sets): what
     revert() puts back there is what the earlier install replaced, never gemm_patch's object."""
-    for i, (owner, name, original, existed, installed, is_item) in enumerate(undo.steps):
+    for i, step in enumerate(undo.steps):
         for install in earlier:
-            match = next((step for step in install.undo.steps
-                          if step[1] == name and step[5] == is_item and existed and original is step[4]), None)
+            match = next((before for before in install.undo.steps
+                          if before.name == step.name and before.is_item == step.is_item and step.existed
+                          and step.original is before.installed), None)
             if match is not None:
-                undo.steps[i] = (owner, name, match[2], match[3], installed, is_item)
+                undo.steps[i] = dataclasses.replace(step, original=match.original, existed=match.existed)
                 break
 
 
 def _assigns_on(module: types.ModuleType, undo: Undo) -> bool:
     """Whether an install assigned anything on ``module`` (or an earlier object of that name) or
     on a class it defines."""
-    return any((owner.__name__ if isinstance(owner, types.ModuleType) else getattr(owner, "__module__", None))
-               == module.__name__ for owner, *_ in undo.steps)
+    return any((step.owner.__name__ if isinstance(step.owner, types.ModuleType)
+                else getattr(step.owner, "__module__", None)) == module.__name__ for step in undo.steps)
 
 
 def _distribution_version(module: types.ModuleType) -> str | None:

@@ -65,63 +65,83 @@ class Refused(Exception):
     """Strict mode: a target that is not patched for a reason strict mode does not accept."""
 
 
+@dataclass(frozen=True)
+class Step:
+    """One assignment an install made: ``owner.name = installed`` (``owner[name]`` where
+    ``is_item``: a ``sys.modules`` entry), and what was there before (``original``, or nothing
+    where not ``existed``)."""
+
+    owner: Any
+    name: str
+    original: Any
+    existed: bool
+    installed: Any
+    is_item: bool = False
+
+    def current(self) -> Any:
+        """What the place holds now (``ABSENT`` where nothing)."""
+        return self.owner.get(self.name, ABSENT) if self.is_item else vars(self.owner).get(self.name, ABSENT)
+
+    def in_place(self) -> bool:
+        return self.current() is self.installed
+
+    def where(self) -> str:
+        if self.is_item:
+            return f"sys.modules[{self.name!r}]"
+        owner = self.owner
+        return f"{getattr(owner, '__qualname__', getattr(owner, '__name__', type(owner).__name__))}.{self.name}"
+
+    def restore(self) -> None:
+        """Put back what was there before (nothing, where nothing was)."""
+        if self.is_item:
+            if self.existed:
+                self.owner[self.name] = self.original
+            else:
+                del self.owner[self.name]
+        elif self.existed:
+            setattr(self.owner, self.name, self.original)
+        else:
+            delattr(self.owner, self.name)
+
+
 @dataclass
 class Undo:
     """Assignments to reverse, newest last. Each step remembers what it installed, so ``run``
     restores only what is still gemm_patch's and reports the rest instead of dropping it."""
 
-    steps: list[tuple[Any, str, Any, bool, Any, bool]] = field(default_factory=list)
+    steps: list[Step] = field(default_factory=list)
 
     def set(self, owner: Any, attribute: str, value: Any) -> None:
         existed = attribute in vars(owner)
-        self.steps.append((owner, attribute, vars(owner).get(attribute), existed, value, False))
+        self.steps.append(Step(owner, attribute, vars(owner).get(attribute), existed, value))
         setattr(owner, attribute, value)
 
     def set_item(self, mapping: dict, key: str, value: Any) -> None:
-        self.steps.append((mapping, key, mapping.get(key), key in mapping, value, True))
+        self.steps.append(Step(mapping, key, mapping.get(key), key in mapping, value, is_item=True))
         mapping[key] = value
 
     def in_place(self) -> list[str]:
         """What no longer holds gemm_patch's object (empty when everything is in place)."""
-        return [_where(owner, name, is_item) for owner, name, _, _, installed, is_item in self.steps
-                if _current(owner, name, is_item) is not installed]
+        return [step.where() for step in self.steps if not step.in_place()]
 
     def run(self) -> list[str]:
         """Put back every original that still sits under gemm_patch's object; return a
         description of each place left alone because something else was put there since."""
         left = []
-        for owner, name, original, existed, installed, is_item in reversed(self.steps):
-            if _current(owner, name, is_item) is not installed:
-                left.append(f"{_where(owner, name, is_item)} is now {_describe(_current(owner, name, is_item))}")
-                continue
-            if is_item:
-                if existed:
-                    owner[name] = original
-                else:
-                    del owner[name]
-            elif existed:
-                setattr(owner, name, original)
+        for step in reversed(self.steps):
+            if step.in_place():
+                step.restore()
             else:
-                delattr(owner, name)
+                left.append(f"{step.where()} is now {_describe(step.current())}")
         self.steps.clear()
         return left
 
 
-_ABSENT = object()
-
-
-def _current(owner: Any, name: str, is_item: bool) -> Any:
-    return owner.get(name, _ABSENT) if is_item else vars(owner).get(name, _ABSENT)
-
-
-def _where(owner: Any, name: str, is_item: bool) -> str:
-    if is_item:
-        return f"sys.modules[{name!r}]"
-    return f"{getattr(owner, '__qualname__', getattr(owner, '__name__', type(owner).__name__))}.{name}"
+ABSENT = object()  # what ``Step.current`` returns for a place that holds nothing
 
 
 def _describe(obj: Any) -> str:
-    if obj is _ABSENT:
+    if obj is ABSENT:
         return "deleted"
     return f"{type(obj).__module__}.{type(obj).__qualname__} object"
 

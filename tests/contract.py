@@ -29,7 +29,7 @@ import pytest
 
 import gemm_patch
 from gemm_patch import patcher
-from gemm_patch.target import NOT_APPLICABLE, OFF, PATCHED_STATES, REPLACED, UNVERIFIED, Target
+from gemm_patch.target import NOT_APPLICABLE, OFF, PATCHED_STATES, REPLACED, UNVERIFIED, Step, Target
 from gemm_patch.targets import REGISTRY
 
 IGNORED = frozenset({"__warningregistry__"})
@@ -88,33 +88,23 @@ def describe(places: set[tuple[int, str]], snapshot: Snapshot) -> list[str]:
                   f".{name}" for i, name in places)
 
 
-def steps(target: Target) -> list[tuple]:
-    """Every recorded assignment of the target's installs (owner, name, original, existed,
-    installed, is_item), oldest install first."""
+def steps(target: Target) -> list[Step]:
+    """Every recorded assignment of the target's installs, oldest install first."""
     return [step for install in patcher._state.installs.get(target.name, []) for step in install.undo.steps]
 
 
-def places(steps_: list[tuple]) -> set[tuple[int, str]]:
-    return {(id(owner), name) for owner, name, *_, is_item in steps_ if not is_item}
+def places(steps_: list[Step]) -> set[tuple[int, str]]:
+    return {(id(step.owner), step.name) for step in steps_ if not step.is_item}
 
 
-def current(owner: Any, name: str, is_item: bool) -> Any:
-    return owner.get(name, _ABSENT) if is_item else vars(owner).get(name, _ABSENT)
-
-
-_ABSENT = object()
-
-
-def holds_installed(steps_: list[tuple]) -> list[str]:
+def holds_installed(steps_: list[Step]) -> list[str]:
     """The places that still hold what gemm_patch installed there."""
-    return [f"{getattr(owner, '__qualname__', getattr(owner, '__name__', 'sys.modules'))}.{name}"
-            for owner, name, _, _, installed, is_item in steps_ if current(owner, name, is_item) is installed]
+    return [step.where() for step in steps_ if step.in_place()]
 
 
-def lost(steps_: list[tuple]) -> list[str]:
+def lost(steps_: list[Step]) -> list[str]:
     """The places that no longer hold what gemm_patch installed there."""
-    return [f"{getattr(owner, '__qualname__', getattr(owner, '__name__', 'sys.modules'))}.{name}"
-            for owner, name, _, _, installed, is_item in steps_ if current(owner, name, is_item) is not installed]
+    return [step.where() for step in steps_ if not step.in_place()]
 
 
 # -- the configuration under test -----------------------------------------------------------------
@@ -317,20 +307,17 @@ def check_replaced(target: Target, expect: str) -> None:
     with only(target):
         import_module(target)
         gemm_patch.apply()
-        owner, name, original, existed, installed, _ = next(s for s in steps(target) if not s[-1])
+        step = next(s for s in steps(target) if not s.is_item)
         foreign = types.SimpleNamespace(put_there_by="someone else")
-        setattr(owner, name, foreign)
+        setattr(step.owner, step.name, foreign)
         try:
             st = state_of(target.name)
             assert st.state == REPLACED, st.reason
             reverted = gemm_patch.revert()
-            assert vars(owner)[name] is foreign, "revert() leaves another's object where it is"
+            assert vars(step.owner)[step.name] is foreign, "revert() leaves another's object where it is"
             assert {t.name: t for t in reverted.targets}[target.name].state == REPLACED
         finally:
-            if existed:
-                setattr(owner, name, original)
-            else:
-                delattr(owner, name)
+            step.restore()
 
 
 def check_unknown_code(target: Target, expect: str, strict: bool) -> None:

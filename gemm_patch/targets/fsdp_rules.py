@@ -99,8 +99,10 @@ def written_in(param: Any, backward: int | None) -> bool:
 
 def hooks_end_records(root_module: Any) -> None:
     """First statement of fsdp-shared-grad's ``_register_fsdp_hooks``: the parameters of
-    ``root_module`` get hooks that end a record where the gradient is handed on."""
-    for param in root_module.parameters():
+    ``root_module`` get hooks that end a record where the gradient is handed on. Without a
+    module to read (nothing registered yet) no parameter is marked: its writes overwrite."""
+    parameters = getattr(root_module, "parameters", None)
+    for param in parameters() if callable(parameters) else ():
         MANAGED.set(param, True)
 
 

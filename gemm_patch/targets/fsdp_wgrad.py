@@ -99,11 +99,14 @@ def fsdp_dummy_wgrad_empty(shape: Any, *, dtype: Any, param: Any = None, **kwarg
     """Stands in for megatron's ``torch.empty(weight.main_grad.shape, dtype=input.dtype, ...)``
     dummy (no TE)."""
     alias = main_grad_alias(param, shape, dtype)
-    if alias is not None:
-        return alias
+    return alias if alias is not None else megatrons_own("empty", shape, dtype, kwargs)
+
+
+def megatrons_own(factory: str, shape: Any, dtype: Any, kwargs: dict[str, Any]) -> Any:
+    """The dummy megatron's own call makes (``torch.empty`` or ``torch.zeros``)."""
     import torch
 
-    return torch.empty(shape, dtype=dtype, **kwargs)
+    return getattr(torch, factory)(shape, dtype=dtype, **kwargs)
 
 
 # A weight megatron marks ``zero_out_wgrad`` (the tied embedding/output weight) gets a zeros dummy.
@@ -144,11 +147,7 @@ def fsdp_zero_dummy_wgrad(shape: Any, *, dtype: Any, param: Any = None, **kwargs
     """Stands in for megatron's ``torch.zeros(weight.main_grad.shape, dtype=input.dtype, ...)``
     dummy (no TE)."""
     zeros = broadcast_zero(param, shape, dtype)
-    if zeros is not None:
-        return zeros
-    import torch
-
-    return torch.zeros(shape, dtype=dtype, **kwargs)
+    return zeros if zeros is not None else megatrons_own("zeros", shape, dtype, kwargs)
 
 
 DUMMY_CALLS = {TE_DUMMY: fsdp_dummy_wgrad_te, EMPTY_DUMMY: fsdp_dummy_wgrad_empty,

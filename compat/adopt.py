@@ -240,6 +240,24 @@ def verdicts(found: dict[str, Found], expected: dict[str, str], outcomes: list[O
     return result
 
 
+def unrecorded_without_site(all_verdicts: dict[str, Verdict], by_name: dict) -> list[str]:
+    """Targets whose code here lacks what they patch (not applicable in the child, where the
+    gate is open) while nothing records that code as having nothing to fix: neither the target's
+    ``not_applicable`` nor ``fixed_upstream`` table, nor a target recorded now with the same
+    fingerprint (the other form of the same function). With the gate closed they read unverified."""
+    recorded_now = {v.fingerprint for v in all_verdicts.values() if v.state != "not applicable" and v.ok}
+    lines = []
+    for verdict in all_verdicts.values():
+        target, fp = by_name[verdict.target], verdict.fingerprint
+        if verdict.state != "not applicable" or fp is None or fp in recorded_now:
+            continue
+        if fp not in target.not_applicable and fp not in target.fixed_upstream:
+            lines.append(f"{verdict.target}: its code ({fp}) lacks what the target patches and is recorded as "
+                         f"having nothing to fix nowhere: it reads unverified until the target's not_applicable "
+                         f"table records it (once the code is checked)")
+    return lines
+
+
 # -- editing the tables ---------------------------------------------------------------------
 
 def _version_key(key: str) -> tuple:
@@ -410,6 +428,8 @@ def adopt(spec: str, dry_run: bool = False, say=print) -> dict[str, Verdict]:
         all_verdicts.update(found_verdicts)
         for verdict in found_verdicts.values():
             say("  " + verdict.line())
+    for line in unrecorded_without_site(all_verdicts, by_name):
+        say("  " + line)
     complete = all(v.ok for v in all_verdicts.values())
     commit = codes[0].commit
     if commit:

@@ -9,7 +9,7 @@ A target supplies ``inspect`` and ``install``; a new release is one line in ``fi
 from __future__ import annotations
 
 import types
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -169,6 +169,33 @@ def public_version(version: str | None) -> str:
         return version
 
 
+class OtherForm(Mapping[str, str]):
+    """``not_applicable`` for one of two targets that patch two forms of the same function (a
+    release has one form or the other): the fingerprints the other target records are code with
+    the other form, so nothing for this one; ``also``: further such code. Read when judged, since
+    the other target is defined after this one in its module."""
+
+    def __init__(self, other: Callable[[], Target], also: Mapping[str, str] | None = None) -> None:
+        self._other = other
+        self._also = dict(also or {})
+
+    def _table(self) -> dict[str, str]:
+        other = self._other()
+        table = {}
+        for release, fp in other.fingerprints.items():
+            table.setdefault(fp, f"the {other.relies_on} {other.name} patches ({other.distribution} {release})")
+        return {**table, **self._also}
+
+    def __getitem__(self, fingerprint: str) -> str:
+        return self._table()[fingerprint]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._table())
+
+    def __len__(self) -> int:
+        return len(self._table())
+
+
 @dataclass(frozen=True, kw_only=True, eq=False)
 class Target:
     name: str
@@ -182,6 +209,11 @@ class Target:
     # Fingerprints of upstream code that fixes the defect itself -> the upstream change: such code
     # reads "not applicable" (nothing to fix), where any other unknown code reads "unverified".
     fixed_upstream: Mapping[str, str] = field(default_factory=dict)
+    # Fingerprints of code that has nothing for this target to fix although ``inspect`` finds it
+    # (the function exists, without the call or statement the target patches) -> what that code
+    # is. Code without the site whose fingerprint is in neither table reads "unverified": it may
+    # hold the same defect in another form, which no source match can tell.
+    not_applicable: Mapping[str, str] = field(default_factory=dict)
 
     # States of this target's own beyond the common ones (state -> meaning), and whether each
     # counts as applying to what is installed (shown by `gemm-patch status` without --all).
@@ -220,6 +252,11 @@ class Target:
         left = undo.in_place()
         return f"{', '.join(left)} no longer gemm_patch's" if left else None
 
+    def home(self, module: types.ModuleType) -> types.ModuleType:
+        """The module whose objects ``install`` replaces when ``module`` is imported: ``module``
+        itself, unless the target patches another module that this one imports."""
+        return module
+
     # -- what a target says ---------------------------------------------------------------
 
     def summary_part(self, st: TargetStatus) -> str:
@@ -242,11 +279,9 @@ class Target:
         def status(state: str, reason: str, fp: str | None = None) -> TargetStatus:
             return TargetStatus(self.name, self.module, state, reason, version, fp)
 
-        if self.name in cfg.left_out:
-            return status(OFF, "GEMM_PATCH_DISABLE lists it"), Undo()
-        if not cfg.switch_on(self.switch_variable, self.default_on):
-            return status(OFF, f"{self.switch_variable}=0" if self.default_on
-                          else f"opt-in: set {self.switch_variable}=1 to enable"), Undo()
+        off = self.switched_off(cfg)
+        if off:
+            return status(OFF, off), Undo()
         settled = self.precheck(module)
         if settled is not None:
             return status(*settled), Undo()
@@ -256,12 +291,15 @@ class Target:
             if cfg.strict:
                 raise Refused(f"{self.name}: {exc}; refused because GEMM_PATCH_STRICT=1") from None
             return status(SKIPPED, str(exc)), Undo()
-        if not found.applicable:
-            return status(NOT_APPLICABLE, found.reason, found.fingerprint), Undo()
         fixed = self.fixed_upstream.get(found.fingerprint or "")
         if fixed:
             return status(NOT_APPLICABLE, f"{found.reason}: fixed upstream ({fixed}); nothing to patch",
                           found.fingerprint), Undo()
+        if not found.applicable:
+            state, reason = self.judge_without_site(version, found, cfg)
+            if state == UNVERIFIED and cfg.strict:
+                raise Refused(f"{self.name}: {reason}; refused because GEMM_PATCH_STRICT=1")
+            return status(state, reason, found.fingerprint), Undo()
         state, reason = self.judge(version, found, cfg)
         if state == UNVERIFIED:
             if cfg.strict:
@@ -270,6 +308,38 @@ class Target:
         undo = Undo()
         note = self.install(module, found, undo, cfg)
         return status(state, f"{reason}; {note}" if note else reason, found.fingerprint), undo
+
+    def switched_off(self, cfg: Any) -> str | None:
+        """Why the configuration turns this target off (the reason its status gives), or None."""
+        if self.name in cfg.left_out:
+            return "GEMM_PATCH_DISABLE lists it"
+        if not cfg.switch_on(self.switch_variable, self.default_on):
+            return f"{self.switch_variable}=0" if self.default_on else f"opt-in: set {self.switch_variable}=1 to enable"
+        return None
+
+    def _unknown(self, version: str | None, fp: str | None) -> str:
+        recorded = self.fingerprints.get(public_version(version))
+        if recorded:
+            return f"fingerprint {fp} differs from the recorded {recorded}"
+        return (f"{self.distribution} {version or '(unknown version)'} is not a verified release and its "
+                f"fingerprint {fp} matches none that is")
+
+    def judge_without_site(self, version: str | None, found: Inspection, cfg: Any) -> tuple[str, str]:
+        """Code that ``inspect`` found without what the target patches: not applicable where
+        nothing is there to fingerprint (no such module or function) or where the code is
+        recorded as having nothing to fix; otherwise unknown code, left alone (with the gate
+        open, nothing to patch)."""
+        fp = found.fingerprint
+        if fp is None:
+            return NOT_APPLICABLE, found.reason
+        known = self.not_applicable.get(fp)
+        if known:
+            return NOT_APPLICABLE, f"{found.reason}: {known}; nothing to patch"
+        reason = f"{found.reason}, and its {self.relies_on} is unknown ({self._unknown(version, fp)})"
+        if cfg.allow_unverified:
+            return NOT_APPLICABLE, f"{reason}; nothing to patch there ({ALLOW_UNVERIFIED}=1 accepts unknown code)"
+        return UNVERIFIED, (f"{reason}; left alone: the defect may be there in another form "
+                            f"({ALLOW_UNVERIFIED}=1 accepts it as nothing to patch)")
 
     def judge(self, version: str | None, found: Inspection, cfg: Any) -> tuple[str, str]:
         fp, dist = found.fingerprint, self.distribution
@@ -280,11 +350,7 @@ class Target:
         if twins:
             return COMPATIBLE, (f"{found.reason}: {dist} {version or '(unknown version)'} is not a verified "
                                 f"release, but its {self.relies_on} is identical to {dist} {twins[-1]}'s")
-        recorded = self.fingerprints.get(release)
-        differs = (f"fingerprint {fp} differs from the recorded {recorded}" if recorded
-                   else f"{dist} {version or '(unknown version)'} is not a verified release and its "
-                        f"fingerprint {fp} matches none that is")
-        reason = f"{found.reason}: {self.relies_on} unknown ({differs})"
+        reason = f"{found.reason}: {self.relies_on} unknown ({self._unknown(version, fp)})"
         if cfg.allow_unverified:
             return FORCED, f"{reason}; patched because {ALLOW_UNVERIFIED}=1"
         return UNVERIFIED, f"{reason}; left alone ({ALLOW_UNVERIFIED}=1 patches it)"
@@ -312,9 +378,9 @@ class MethodTarget(Target):
 
     def in_place(self, module: types.ModuleType, undo: Undo) -> str | None:
         live = self.live_object(module)
-        if getattr(live, "_self_gemm_patch_target", None) == self.name:
-            return None
-        return f"{module.__name__}.{self.where} is now {_describe(live)}, not gemm_patch's wrapper"
+        if getattr(live, "_self_gemm_patch_target", None) != self.name:
+            return f"{module.__name__}.{self.where} is now {_describe(live)}, not gemm_patch's wrapper"
+        return Target.in_place(self, module, undo)  # the classes of an earlier execution too
 
 
 class PatchedTwin(wrapt.FunctionWrapper):

@@ -41,7 +41,7 @@ from ..callsite import (
     find_call_site,
     find_calls,
 )
-from ..target import Inspection, MethodTarget, PatchedTwin, Undo
+from ..target import Inspection, MethodTarget, OtherForm, PatchedTwin, Undo
 from . import megatron_main
 from .fsdp_rules import main_grad_alias, wgrad_accumulates
 
@@ -155,6 +155,12 @@ class CallSiteTarget(MethodTarget):
         return note
 
 
+# Backwards with gradient-accumulation fusion but no Megatron-FSDP branch (0.13.x, 0.12.3).
+_NO_FSDP_BRANCH = {
+    "bb1ddec42504af75": "megatron-core 0.13.x's backward, which has no Megatron-FSDP branch",
+    "649f604faa877c48": "megatron-core 0.12.3's backward, which has no Megatron-FSDP branch",
+}
+
 # What both forms of the fix share: megatron-core's backward of the fused linear, one switch.
 _BACKWARD = dict(
     distribution="megatron-core",
@@ -172,6 +178,7 @@ TARGET = CallSiteTarget(
     replacement=fsdp_wgrad,
     also={TE_CALL: fsdp_wgrad_te},
     **_BACKWARD,
+    not_applicable=OtherForm(lambda: GEMM_TARGET, _NO_FSDP_BRANCH),
     fingerprints={
         # 0.13.x has no such call: not applicable, nothing to record.
         "0.14.0": "7ec854ca9d6a137e",
@@ -209,6 +216,7 @@ GEMM_TARGET = CallSiteTarget(
     replacement=fsdp_wgrad_gemm,
     also={},
     **_BACKWARD,
+    not_applicable=OtherForm(lambda: TARGET, _NO_FSDP_BRANCH),
     fingerprints={
         # 0.13.x-0.19.x: no such call (fsdp-wgrad's torch.matmul instead): not applicable.
         megatron_main.RELEASE: "5bed6b0307f4975f",

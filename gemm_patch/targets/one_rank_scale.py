@@ -29,9 +29,10 @@ from __future__ import annotations
 
 import ast
 import importlib
+import sys
 import types
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import wrapt
@@ -108,9 +109,15 @@ class OneRankScaleTarget(MethodTarget):
     which imports ``buffers_module``, so that it settles with the other Megatron-FSDP targets."""
 
     buffers_module: str
+    # One record per target, whichever install's wrappers run: a buffer recorded before apply()
+    # patched again (a reload of the buffers module) is still scaled.
+    buffers: OneRankBuffers = field(default_factory=lambda: OneRankBuffers(), init=False, repr=False)
 
     def _pgb(self) -> types.ModuleType:
-        return importlib.import_module(self.buffers_module)
+        return sys.modules.get(self.buffers_module) or importlib.import_module(self.buffers_module)
+
+    def home(self, module: types.ModuleType) -> types.ModuleType:
+        return self._pgb()
 
     def inspect(self, module: types.ModuleType) -> Inspection:
         pgb = self._pgb()
@@ -130,7 +137,7 @@ class OneRankScaleTarget(MethodTarget):
         return Inspection(found, True, "the reduce of buffers on one-rank groups")
 
     def install(self, module: types.ModuleType, found: Inspection, undo: Undo, cfg: Any) -> str | None:
-        pgb, buffers = self._pgb(), OneRankBuffers()
+        pgb, buffers = self._pgb(), self.buffers
         self.replace(pgb, undo, wrapt.FunctionWrapper(self.live_object(pgb), buffers.record_after_init))
         for owner, name, wrapper in ((pgb, FUNCTION, buffers.preprocess),
                                      (vars(pgb)[BUFFERS], UPDATE, buffers.scale_before_update)):

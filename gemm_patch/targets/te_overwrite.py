@@ -38,7 +38,7 @@ from typing import Any
 import wrapt
 
 from ..callsite import check_live_is_source, find_statement
-from ..target import Inspection, MethodTarget, Undo
+from ..target import Inspection, MethodTarget, OtherForm, Undo
 from . import megatron_main
 from .fsdp_rules import main_grad_is_persistent
 
@@ -108,11 +108,14 @@ class OverwriteFlagTarget(MethodTarget):
 
 
 SWITCH = "GEMM_PATCH_TE_OVERWRITE"  # one switch for every place that sets the flag
+# megatron-core 0.14.0's and megatron-fsdp 0.1.0's unshard, which sets no overwrite flag.
+_NO_FLAG = {"3bdddaa008f6fa19": "megatron-core 0.14.0's (megatron-fsdp 0.1.0's) method, which sets no such flag"}
 MCORE_FSDP = "megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp"
 _UNSHARD = dict(switch=SWITCH, owner="MegatronFSDP", attribute="all_gather_and_wait_parameters_ready")
 
 TARGET = OverwriteFlagTarget(
     name="fsdp-te-overwrite",
+    not_applicable=OtherForm(lambda: BY_STRATEGY_TARGET, _NO_FLAG),
     distribution="megatron-core",
     module=MCORE_FSDP,
     relies_on=f"`{STATEMENT}` method",
@@ -138,6 +141,7 @@ TARGET = OverwriteFlagTarget(
 # megatron-fsdp's version; one switch for both.
 STANDALONE = OverwriteFlagTarget(
     name="mfsdp-te-overwrite",
+    not_applicable=OtherForm(lambda: BY_STRATEGY_STANDALONE, _NO_FLAG),
     distribution="megatron-fsdp",
     module="megatron_fsdp.megatron_fsdp",
     relies_on=f"`{STATEMENT}` method",
@@ -168,6 +172,7 @@ _BY_STRATEGY_COMMON = dict(
 
 BY_STRATEGY_TARGET = OverwriteFlagTarget(
     name="fsdp-te-overwrite-by-strategy",
+    not_applicable=OtherForm(lambda: TARGET, _NO_FLAG),
     distribution="megatron-core",
     module=MCORE_FSDP,
     # 0.13.x-0.19.x: `param.overwrite_main_grad = True` (fsdp-te-overwrite) or nothing.
@@ -177,6 +182,7 @@ BY_STRATEGY_TARGET = OverwriteFlagTarget(
 
 BY_STRATEGY_STANDALONE = OverwriteFlagTarget(
     name="mfsdp-te-overwrite-by-strategy",
+    not_applicable=OtherForm(lambda: STANDALONE, _NO_FLAG),
     distribution="megatron-fsdp",
     module="megatron_fsdp.megatron_fsdp",
     # 0.1.0-0.6.1: the unconditional statement (mfsdp-te-overwrite) or nothing.

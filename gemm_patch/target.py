@@ -16,6 +16,9 @@ from typing import Any
 import wrapt
 
 from .callsite import CallSiteError
+from .config import Config
+
+DEFAULTS = Config()  # the configuration of a process with no GEMM_PATCH_* variable set
 
 VERIFIED = "verified"  # the code relied on is the one recorded for this release
 COMPATIBLE = "compatible"  # identical to the code of another verified release
@@ -229,15 +232,16 @@ class Target:
 
     # -- what a target supplies ---------------------------------------------------------------
 
-    def precheck(self, module: types.ModuleType) -> tuple[str, str] | None:
+    def precheck(self, module: types.ModuleType, cfg: Config) -> tuple[str, str] | None:
         """A (state, reason) that settles the target before any inspection, or None."""
         return None
 
-    def inspect(self, module: types.ModuleType) -> Inspection:
-        """Read the live module (and its source); raise ``callsite.CallSiteError`` to skip."""
+    def inspect(self, module: types.ModuleType, cfg: Config = DEFAULTS) -> Inspection:
+        """Read the live module (and its source) under ``cfg`` (the defaults where a tool such as
+        ``compat/fingerprint.py`` only reads it); raise ``callsite.CallSiteError`` to skip."""
         raise NotImplementedError
 
-    def install(self, module: types.ModuleType, found: Inspection, undo: Undo, cfg: Any) -> str | None:
+    def install(self, module: types.ModuleType, found: Inspection, undo: Undo, cfg: Config) -> str | None:
         """Make the patch, every assignment through ``undo``; may return a note for the reason
         (what an optional part, under its own switch in ``options``, did)."""
         raise NotImplementedError
@@ -273,7 +277,7 @@ class Target:
 
     # -- the template ------------------------------------------------------------------------
 
-    def patch(self, module: types.ModuleType, version: str | None, cfg: Any) -> tuple[TargetStatus, Undo]:
+    def patch(self, module: types.ModuleType, version: str | None, cfg: Config) -> tuple[TargetStatus, Undo]:
         """Judge and, where proven, patch ``module``. Raises ``Refused`` under strict mode for
         unknown code and for a skip; every other outcome is a status."""
         def status(state: str, reason: str, fp: str | None = None) -> TargetStatus:
@@ -282,11 +286,11 @@ class Target:
         off = self.switched_off(cfg)
         if off:
             return status(OFF, off), Undo()
-        settled = self.precheck(module)
+        settled = self.precheck(module, cfg)
         if settled is not None:
             return status(*settled), Undo()
         try:
-            found = self.inspect(module)
+            found = self.inspect(module, cfg)
         except CallSiteError as exc:
             if cfg.strict:
                 raise Refused(f"{self.name}: {exc}; refused because GEMM_PATCH_STRICT=1") from None
@@ -309,7 +313,7 @@ class Target:
         note = self.install(module, found, undo, cfg)
         return status(state, f"{reason}; {note}" if note else reason, found.fingerprint), undo
 
-    def switched_off(self, cfg: Any) -> str | None:
+    def switched_off(self, cfg: Config) -> str | None:
         """Why the configuration turns this target off (the reason its status gives), or None."""
         if self.name in cfg.left_out:
             return "GEMM_PATCH_DISABLE lists it"
@@ -324,7 +328,7 @@ class Target:
         return (f"{self.distribution} {version or '(unknown version)'} is not a verified release and its "
                 f"fingerprint {fp} matches none that is")
 
-    def judge_without_site(self, version: str | None, found: Inspection, cfg: Any) -> tuple[str, str]:
+    def judge_without_site(self, version: str | None, found: Inspection, cfg: Config) -> tuple[str, str]:
         """Code that ``inspect`` found without what the target patches: not applicable where
         nothing is there to fingerprint (no such module or function) or where the code is
         recorded as having nothing to fix; otherwise unknown code, left alone (with the gate
@@ -341,7 +345,7 @@ class Target:
         return UNVERIFIED, (f"{reason}; left alone: the defect may be there in another form "
                             f"({ALLOW_UNVERIFIED}=1 accepts it as nothing to patch)")
 
-    def judge(self, version: str | None, found: Inspection, cfg: Any) -> tuple[str, str]:
+    def judge(self, version: str | None, found: Inspection, cfg: Config) -> tuple[str, str]:
         fp, dist = found.fingerprint, self.distribution
         release = public_version(version)
         if self.fingerprints.get(release) == fp:

@@ -66,7 +66,7 @@ def install(module):
     found = target.inspect(module)
     assert found.applicable, found.reason
     undo = shared_grad.Undo()
-    target.install(module, found, undo, None)
+    target.install(module, found, undo, config.Config())
     return undo
 
 

@@ -38,7 +38,8 @@ from typing import Any
 import wrapt
 
 from ..callsite import CallSiteError, check_live_function_is_source, check_live_is_source, fingerprint, parse_method
-from ..target import Inspection, MethodTarget, Target, Undo
+from ..config import Config
+from ..target import DEFAULTS, Inspection, MethodTarget, Target, Undo
 from . import megatron_main
 
 FUNCTION = "gradient_reduce_preprocessing"
@@ -119,7 +120,7 @@ class OneRankScaleTarget(MethodTarget):
     def home(self, module: types.ModuleType) -> types.ModuleType:
         return self._pgb()
 
-    def inspect(self, module: types.ModuleType) -> Inspection:
+    def inspect(self, module: types.ModuleType, cfg: Config = DEFAULTS) -> Inspection:
         pgb = self._pgb()
         update_owner = vars(pgb).get(BUFFERS)
         if (not callable(vars(pgb).get(FUNCTION)) or self.live_object(pgb) is None
@@ -136,7 +137,7 @@ class OneRankScaleTarget(MethodTarget):
         check_live_is_source(pgb, BUFFERS, UPDATE)
         return Inspection(found, True, "the reduce of buffers on one-rank groups")
 
-    def install(self, module: types.ModuleType, found: Inspection, undo: Undo, cfg: Any) -> str | None:
+    def install(self, module: types.ModuleType, found: Inspection, undo: Undo, cfg: Config) -> str | None:
         pgb, buffers = self._pgb(), self.buffers
         self.replace(pgb, undo, wrapt.FunctionWrapper(self.live_object(pgb), buffers.record_after_init))
         for owner, name, wrapper in ((pgb, FUNCTION, buffers.preprocess),

@@ -63,7 +63,8 @@ from ..callsite import (
     fingerprint,
     parse_method,
 )
-from ..target import Inspection, MethodTarget, PatchedTwin, Undo
+from ..config import Config
+from ..target import DEFAULTS, Inspection, MethodTarget, PatchedTwin, Undo
 from . import megatron_main
 from .fsdp_rules import is_fsdp_param, restore_written_flag
 
@@ -151,7 +152,7 @@ class SharedGradTarget(MethodTarget):
     # identity Function (0.14-0.15): the twin keeps Megatron-FSDP parameters out of it there.
     param_arg_fingerprints: frozenset[str] = frozenset()
 
-    def inspect(self, module: types.ModuleType) -> Inspection:
+    def inspect(self, module: types.ModuleType, cfg: Config = DEFAULTS) -> Inspection:
         funcdef = parse_method(module, self.owner, self.attribute)
         if funcdef is None or self.live_object(module) is None:
             return Inspection(None, False, f"{module.__name__} has no {self.where}")
@@ -169,7 +170,7 @@ class SharedGradTarget(MethodTarget):
         check_live_is_source(module, self.owner, self.attribute)
         return Inspection(fp, True, f"{self.where}.{NESTED}", AnalysedFunction(module, funcdef, fp, []))
 
-    def install(self, module: types.ModuleType, found: Inspection, undo: Undo, cfg: Any) -> str | None:
+    def install(self, module: types.ModuleType, found: Inspection, undo: Undo, cfg: Config) -> str | None:
         both = found.fingerprint in self.param_arg_fingerprints
         cells = {CELL: add_shared_grad, FLAG_CELL: restore_written_flag,
                  **({ARG_CELL: is_fsdp_param} if both else {})}

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..callsite import CallSiteError, canonical_dump, check_live_function_is_source, fingerprint, parse_module
-from ..target import Inspection, Target, Undo
+from ..config import Config
+from ..target import DEFAULTS, Inspection, Target, Undo
 
 BASE = "transformer_engine.pytorch.module.base"
 CALLERS = ("transformer_engine.pytorch.module.linear", "transformer_engine.pytorch.module.layernorm_linear")
@@ -59,7 +60,7 @@ def _calls(tree: ast.Module) -> list[ast.stmt]:
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class DummyWgradTarget(Target):
-    def inspect(self, module: types.ModuleType) -> Inspection:
+    def inspect(self, module: types.ModuleType, cfg: Config = DEFAULTS) -> Inspection:
         base = sys.modules.get(BASE)
         callers = [sys.modules.get(name) for name in CALLERS]
         if base is None or NAME not in vars(base) or not any(callers):
@@ -84,7 +85,7 @@ class DummyWgradTarget(Target):
         # through the ``transformer_engine.pytorch`` object whose import triggers it.
         return sys.modules.get(BASE) or module
 
-    def install(self, module: types.ModuleType, found: Inspection, undo: Undo, cfg: Any) -> str | None:
+    def install(self, module: types.ModuleType, found: Inspection, undo: Undo, cfg: Config) -> str | None:
         base, callers = found.payload
         replacement = per_call_dummy(vars(base)[NAME])
         for caller in callers:

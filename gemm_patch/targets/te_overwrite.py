@@ -38,7 +38,8 @@ from typing import Any
 import wrapt
 
 from ..callsite import check_live_is_source, find_statement
-from ..target import Inspection, MethodTarget, OtherForm, Undo
+from ..config import Config
+from ..target import DEFAULTS, Inspection, MethodTarget, OtherForm, Undo
 from . import megatron_main
 from .fsdp_rules import main_grad_is_persistent
 
@@ -90,7 +91,7 @@ class PatchedOverwriteFlag(wrapt.FunctionWrapper):
 class OverwriteFlagTarget(MethodTarget):
     statement: str = STATEMENT
 
-    def inspect(self, module: types.ModuleType) -> Inspection:
+    def inspect(self, module: types.ModuleType, cfg: Config = DEFAULTS) -> Inspection:
         found = find_statement(module, self.owner, self.attribute, self.statement)
         if found is None or self.live_object(module) is None:
             return Inspection(None, False, f"{module.__name__} has no {self.where}")
@@ -99,7 +100,7 @@ class OverwriteFlagTarget(MethodTarget):
         check_live_is_source(module, self.owner, self.attribute)
         return Inspection(found.fingerprint, True, self.where, found)
 
-    def install(self, module: types.ModuleType, found: Inspection, undo: Undo, cfg: Any) -> str | None:
+    def install(self, module: types.ModuleType, found: Inspection, undo: Undo, cfg: Config) -> str | None:
         self.replace(module, undo, self.wrapper(self.live_object(module)))
 
     @property

@@ -38,6 +38,7 @@ from .target import (
     TargetStatus,
     Undo,
     public_version,
+    read_states_with,
 )
 
 __all__ = ["GemmPatchError", "Status", "apply", "revert", "status", "import_target_modules", "log", "use_targets"]
@@ -92,6 +93,7 @@ def use_targets(targets: Sequence[Target]) -> None:
     with _lock:
         _targets = tuple(targets)
         _components = {t.module.split(".")[0]: t.distribution for t in _targets}
+        read_states_with(lambda: {t.name: t.state for t in status().targets})
 
 
 def targets() -> tuple[Target, ...]:

@@ -49,6 +49,22 @@ STATE_MEANINGS = {
 ALLOW_UNVERIFIED = "GEMM_PATCH_ALLOW_UNVERIFIED"
 
 
+# The states of every target now (name -> state), for a patch that asks at run time how the
+# others stand (nemo-fsdp-gaf): the patcher's status(), handed down by ``use_targets``, so that
+# no target module imports the patcher.
+_states_reader: Callable[[], Mapping[str, str]] = dict
+
+
+def read_states_with(reader: Callable[[], Mapping[str, str]]) -> None:
+    global _states_reader
+    _states_reader = reader
+
+
+def current_states() -> Mapping[str, str]:
+    """Every registered target's state now (as ``status()`` reports it)."""
+    return _states_reader()
+
+
 @dataclass
 class TargetStatus:
     name: str

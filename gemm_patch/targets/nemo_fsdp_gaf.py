@@ -37,7 +37,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .. import detection, patcher, report
+from .. import detection, report
 from ..callsite import (
     AnalysedFunction,
     build_edited_twin,
@@ -47,7 +47,17 @@ from ..callsite import (
     parse_method,
 )
 from ..config import Config
-from ..target import COMPATIBLE, DEFAULTS, NOT_APPLICABLE, VERIFIED, Inspection, MethodTarget, PatchedTwin, Undo
+from ..target import (
+    COMPATIBLE,
+    DEFAULTS,
+    NOT_APPLICABLE,
+    VERIFIED,
+    Inspection,
+    MethodTarget,
+    PatchedTwin,
+    Undo,
+    current_states,
+)
 from . import apex_wgrad, fsdp_wgrad, te_overwrite
 
 TEST = 'getattr(module.config, "gradient_accumulation_fusion", True)'
@@ -75,7 +85,7 @@ def fused_path_ready(states: Mapping[str, str]) -> tuple[bool, str]:
 
 
 def _live_states() -> dict[str, str]:
-    return {t.name: t.state for t in patcher.status().targets}
+    return dict(current_states())
 
 
 _said: set[str] = set()

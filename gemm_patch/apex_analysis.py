@@ -26,9 +26,15 @@ class ApexUsage:
     def call_names(self) -> list[str]:
         return sorted({c.func.attr for c in self.calls})  # type: ignore[attr-defined]
 
+    # Whether the module names the extension at all (an import, a name, an attribute base).
+    mentions: bool = False
+
     @property
-    def fingerprint(self) -> str:
-        # The call-site targets' digest: independent of formatting and of the Python version.
+    def fingerprint(self) -> str | None:
+        """The call-site targets' digest (independent of formatting and of the Python version);
+        None where the module neither names the extension nor has the flag: no apex usage."""
+        if not (self.mentions or self.flag_default or self.checks):
+            return None
         return fingerprint(self.flag_default, self.guarded_import, *self.checks, *self.calls)
 
 
@@ -66,4 +72,7 @@ def find_apex_usage(module: types.ModuleType, extension: str, flag: str, calls: 
               and isinstance(node.func.value, ast.Name) and node.func.value.id == extension
               and node.func.attr in calls):
             usage.calls.append(node)
+        if (isinstance(node, ast.alias) and extension in node.name.split(".")) or \
+                (isinstance(node, ast.Name) and node.id == extension):
+            usage.mentions = True
     return usage

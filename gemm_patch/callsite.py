@@ -235,6 +235,26 @@ def _layers(obj: object) -> list[object]:
     return layers
 
 
+def same_function(a: object, b: object) -> bool:
+    """Whether ``a`` and ``b`` run the same code in the same globals: equal code objects at
+    every decorator layer, and the innermost functions' globals one dict (a module's earlier
+    and later execution by ``importlib.reload``; not a fresh import, which has a dict of its own)."""
+    if a is None or b is None or _layers(a) != _layers(b):
+        return False
+    return getattr(_innermost(a), "__globals__", None) is getattr(_innermost(b), "__globals__", False)
+
+
+def _innermost(obj: object) -> object:
+    for _ in range(16):
+        if isinstance(obj, (staticmethod, classmethod)):
+            obj = obj.__func__
+        elif isinstance(obj, types.FunctionType) and getattr(obj, "__wrapped__", None) is not None:
+            obj = obj.__wrapped__
+        else:
+            break
+    return obj
+
+
 def _origin(obj: object) -> str:
     inner = obj.__func__ if isinstance(obj, (staticmethod, classmethod)) else obj
     code = getattr(inner, "__code__", None)

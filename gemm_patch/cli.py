@@ -88,8 +88,11 @@ def import_targets_quietly() -> int:
 
 
 def warnings_note(count: int | None) -> str | None:
-    """The one line that says how many import warnings were not shown (None: nothing to say)."""
-    if not count:
+    """The one line that says how many import warnings were not shown (None: nothing to say,
+    or they were shown: logged at DEBUG, the level in force)."""
+    import logging
+
+    if not count or logging.getLogger("gemm_patch").isEnabledFor(logging.DEBUG):
         return None
     return (f"  ({count} warning{'s' if count != 1 else ''} from importing megatron suppressed; "
             f"GEMM_PATCH_LOG_LEVEL=DEBUG shows them)")
@@ -107,7 +110,7 @@ def _status(args: argparse.Namespace) -> int:
         if note:  # stdout stays pure JSON
             print(note.strip(), file=sys.stderr)
     else:
-        print(st.render(all_targets=args.all))
+        print(st.render(all_targets=args.all, error_below=True))
         if note:
             print(note)
         if not _installed_as_package():

@@ -178,6 +178,14 @@ def active_dispatcher() -> WgradDispatcher:
     return _active
 
 
+def follow_configuration() -> None:
+    """``apply()`` read the variables again: a dispatcher built for another GEMM_PATCH_BACKEND
+    is dropped, and the next call builds one in the order of that apply()."""
+    global _active
+    if _active is not None and _active.forced != config.current_backend():
+        _active = None
+
+
 def reset_active_dispatcher() -> None:
     global _active
     _active = None

@@ -2,9 +2,11 @@
 
 ``apply()`` reads the configuration once, watches each target module (``imports.watch``: the
 hook runs after every execution of the module, so re-imports and reloads are patched too) and
-patches the modules already imported. ``revert()`` replays each install's undo list, leaving
-alone (and reporting) whatever is no longer gemm_patch's. One lock makes both idempotent and
-thread-safe; the watches stay, and do nothing while the patch is reverted.
+patches the modules already imported, with every earlier module object of those names it has
+seen (megatron may still run one from before a fresh import) and, after a reload, the earlier
+classes it had patched. ``revert()`` replays each install's undo list, leaving alone (and
+reporting) whatever is no longer gemm_patch's. One lock makes both idempotent and thread-safe;
+the watches stay, and do nothing while the patch is reverted (they still note each execution).
 
 The patcher knows no target by name: the package hands it the registry (``use_targets``).
 """
@@ -16,10 +18,12 @@ import logging
 import sys
 import threading
 import types
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from . import config, detection, imports
+from .callsite import same_function
 from .report import Status, SummaryLog, configure_logging, emit, log
 from .target import (
     NOT_APPLICABLE,
@@ -28,10 +32,13 @@ from .target import (
     PENDING,
     REPLACED,
     SKIPPED,
+    TROUBLED_STATES,
     Refused,
     Target,
     TargetStatus,
     Undo,
+    public_version,
+    read_states_with,
 )
 
 __all__ = ["GemmPatchError", "Status", "apply", "revert", "status", "import_target_modules", "log", "use_targets"]
@@ -45,8 +52,10 @@ class GemmPatchError(RuntimeError):
 
 @dataclass
 class _Install:
-    module: types.ModuleType
+    module: types.ModuleType  # the execution of the target's module it was made for
+    home: types.ModuleType  # the module whose objects it patched (``Target.home``)
     undo: Undo
+    status: TargetStatus  # the verdict it was made under
     # A later execution of the module made newer objects: this install still patches the objects
     # that code imported earlier may hold (a class, a module object), and revert() restores them,
     # but what the re-execution itself overwrote is no reason for a warning.
@@ -61,6 +70,13 @@ class _State:
     statuses: dict[str, TargetStatus] = field(default_factory=dict)
     installs: dict[str, list[_Install]] = field(default_factory=dict)  # target -> oldest first
     watched: set[str] = field(default_factory=set)
+    # Every module object of each watched name gemm_patch has seen, oldest first: an earlier one
+    # (from before ``del sys.modules[...]`` and a fresh import) stays reachable through whatever
+    # imported from it, and apply() patches it again after a revert().
+    seen: dict[str, list[types.ModuleType]] = field(default_factory=dict)
+    # target -> (class, attribute) its installs patched, weakly: a reload's earlier classes.
+    classes: dict[str, list[tuple[weakref.ref, str]]] = field(default_factory=dict)
+    judged: dict[tuple[str, int], TargetStatus] = field(default_factory=dict)  # (target, id(module in seen))
     summary: SummaryLog = field(default_factory=SummaryLog)
     warned: set[str] = field(default_factory=set)
 
@@ -77,6 +93,7 @@ def use_targets(targets: Sequence[Target]) -> None:
     with _lock:
         _targets = tuple(targets)
         _components = {t.module.split(".")[0]: t.distribution for t in _targets}
+        read_states_with(lambda: {t.name: t.state for t in status().targets})
 
 
 def targets() -> tuple[Target, ...]:
@@ -134,17 +151,24 @@ def apply_quietly(strict: bool | None = None) -> None:
         configure_logging(cfg.log_level)
         _state.cfg = cfg
         config.set_current(cfg)
+        dispatcher = sys.modules.get(f"{__package__}.dispatcher")  # never imported here: it imports torch
+        if dispatcher is not None:
+            dispatcher.follow_configuration()
         for target in _targets:
             if target.name not in _state.statuses or _state.statuses[target.name].state == OFF:
-                _state.statuses[target.name] = TargetStatus(target.name, target.module, PENDING,
-                                                            f"waiting for `import {target.module}`")
+                off = target.switched_off(cfg)
+                _state.statuses[target.name] = (TargetStatus(target.name, target.module, OFF, off) if off else
+                                                TargetStatus(target.name, target.module, PENDING,
+                                                             f"waiting for `import {target.module}`"))
         for name in sorted({t.module for t in _targets}):
             if name not in _state.watched:
                 _state.watched.add(name)
                 imports.watch(name, _on_exec)
-            module = sys.modules.get(name)
-            if module is not None and not imports.still_importing(module):
+            live = sys.modules.get(name)
+            for module in [m for m in _state.seen.get(name, ()) if m is not live]:
                 _patch_module(module, reexecuted=False)
+            if live is not None and not imports.still_importing(live):
+                _patch_module(live, reexecuted=False)
 
 
 def _wait_for_half_imported_modules() -> None:
@@ -196,6 +220,7 @@ def revert() -> Status:
 
 def _on_exec(module: types.ModuleType) -> None:
     with _lock:
+        _remember(module)
         if _state.cfg is not None:
             _patch_module(module, reexecuted=True)
 
@@ -205,24 +230,24 @@ def _patch_module(module: types.ModuleType, reexecuted: bool) -> None:
     names hold new objects, while the objects of an earlier execution (still held by whatever
     imported them) keep their patch."""
     cfg = _state.cfg
+    _remember(module)
+    live = sys.modules.get(module.__name__)
     version = _distribution_version(module)
     done = []
     for target in _targets:
         if target.module != module.__name__:
             continue
         installs = _state.installs.setdefault(target.name, [])
-        latest = installs[-1] if installs else None
-        if latest is not None and latest.module is module and not reexecuted:
-            if target.in_place(module, latest.undo) is None:
-                continue  # apply() again: still in place
-            latest.undo.run()  # replaced by someone else: put back what is still ours, patch anew
-            installs.pop()
-        elif (latest is not None and reexecuted and not _assigns_on(module, latest.undo)
-              and target.in_place(module, latest.undo) is None):
-            # Its objects live in modules that did not run again (one-rank-scale patches the
-            # buffers module, triggered by the main one): still in place, now for this module.
-            latest.module = module
-            continue
+        own = _install_for(target, module)
+        if own is not None:
+            if target.in_place(module, own.undo) is None and not (reexecuted and _assigns_on(module, own.undo)):
+                own.module = module  # apply() again, or its objects live in a module that did not run again
+                if live is module:
+                    _state.statuses[target.name] = own.status
+                continue
+            if not reexecuted:
+                own.undo.run()  # replaced by someone else: put back what is still ours, patch anew
+                installs.remove(own)
         for install in installs:
             install.superseded = True
         try:
@@ -237,12 +262,58 @@ def _patch_module(module: types.ModuleType, reexecuted: bool) -> None:
                                     f"internal error while patching: {type(exc).__name__}: {exc}", version), Undo()
         if undo.steps:
             _inherit_originals(undo, installs)
-            installs.append(_Install(module, undo))
-        _state.statuses[target.name] = st
-        done.append((target, st))
+            _extend_to_earlier_classes(target, undo)
+            installs.append(_Install(module, _home(target, module), undo, st))
+        _state.judged[(target.name, id(module))] = st
+        if live is module or live is None:  # an earlier module object's verdict is checked by status()
+            _state.statuses[target.name] = st
+            done.append((target, st))
     if done:
         _state.summary.record(_components.get(module.__name__.split(".")[0], "megatron-core"), version,
                               done, _backend_summary())
+
+
+def _remember(module: types.ModuleType) -> None:
+    seen = _state.seen.setdefault(module.__name__, [])
+    if not any(m is module for m in seen):
+        seen.append(module)
+
+
+def _home(target: Target, module: types.ModuleType) -> types.ModuleType:
+    try:
+        return target.home(module)
+    except Exception:  # its other module cannot be imported: the install is judged on this one
+        return module
+
+
+def _install_for(target: Target, module: types.ModuleType) -> _Install | None:
+    """The newest install of ``target`` on the objects that ``module`` uses."""
+    home = _home(target, module)
+    return next((i for i in reversed(_state.installs.get(target.name, ())) if i.home is home), None)
+
+
+def _extend_to_earlier_classes(target: Target, undo: Undo) -> None:
+    """A module run again (``importlib.reload``) binds new classes, while the classes of its
+    earlier execution stay reachable (imported by name elsewhere, the classes of live
+    objects). Each earlier class of the same name that an install of this target patched gets
+    the same object where its attribute is the very function this install replaced (equal code
+    at every decorator layer, the same globals: a reload runs in the same module dict)."""
+    history = [(ref, name) for ref, name in _state.classes.get(target.name, ()) if ref() is not None]
+    for step in list(undo.steps):
+        owner = step.owner
+        if not isinstance(owner, type):
+            continue
+        for ref, name in history:
+            earlier = ref()
+            if (earlier is not owner and name == step.name and earlier.__qualname__ == owner.__qualname__
+                    and earlier.__module__ == owner.__module__
+                    and same_function(vars(earlier).get(name), step.original)):
+                undo.set(earlier, name, step.installed)
+    for step in undo.steps:
+        if isinstance(step.owner, type) and not any(ref() is step.owner and name == step.name
+                                                    for ref, name in history):
+            history.append((weakref.ref(step.owner), step.name))
+    _state.classes[target.name] = history
 
 
 def _inherit_originals(undo: Undo, earlier: list[_Install]) -> None:
@@ -283,6 +354,27 @@ def _warn_once(key: str, message: str) -> None:
         emit(logging.WARNING, message)
 
 
+def _not_in_place(target: Target) -> str | None:
+    """What of a patched target megatron can reach unpatched: the imported module, and each
+    earlier module object of that name (from before a fresh import), must use its install."""
+    live = sys.modules.get(target.module)
+    if live is not None and _install_for(target, live) is None:
+        return f"{target.module} is no longer the imported module"
+    earlier = [m for m in _state.seen.get(target.module, ()) if m is not live]
+    for module in earlier + ([live] if live is not None else []):
+        install = _install_for(target, module)
+        if install is not None:
+            problem = target.in_place(module, install.undo)
+            if problem:
+                return problem
+            continue
+        judged = _state.judged.get((target.name, id(module)))
+        if judged is not None and judged.state in TROUBLED_STATES:
+            return (f"an earlier module object of {target.module} (from before a fresh import, still reachable) "
+                    f"is {judged.state}: {judged.reason}")
+    return None
+
+
 def _live_status(target: Target, cfg: config.Config | None) -> TargetStatus:
     """The recorded status, checked against the live module: a patch that is no longer what
     the module uses reads ``replaced``; a pending target whose module cannot exist in what is
@@ -293,20 +385,34 @@ def _live_status(target: Target, cfg: config.Config | None) -> TargetStatus:
         if cfg is not None and target.name in cfg.left_out:
             why = "GEMM_PATCH_DISABLE lists it"
         return TargetStatus(target.name, target.module, OFF, why)
-    installs = _state.installs.get(target.name)
-    if st.state in PATCHED_STATES and installs:
-        live, install = sys.modules.get(target.module), installs[-1]
-        problem = (f"{target.module} is no longer the imported module" if live is not install.module
-                   else target.in_place(live, install.undo))
+    if st.state in PATCHED_STATES and _state.installs.get(target.name):
+        problem = _not_in_place(target)
         if problem:
             return TargetStatus(st.name, st.module, REPLACED, f"{problem}; gemm_patch.apply() patches it again "
                                 f"where it can", st.version, st.fingerprint)
-    if st.state == PENDING and detection.module_findable(target.module) is False:
+    waiting = st.state == PENDING or (st.state == OFF and cfg is not None and st.reason == target.switched_off(cfg))
+    if not waiting or target.module in sys.modules:
+        return st
+    if detection.module_findable(target.module) is False:
         version = detection.distribution_version(target.distribution)
         reason = (f"{target.distribution} {version} has no module {target.module}" if version
                   else f"{target.distribution} is not installed (no {target.module.split('.')[0]} package)")
         return TargetStatus(st.name, st.module, NOT_APPLICABLE, reason, version)
+    if st.state == PENDING:
+        version = detection.distribution_version(target.distribution)
+        if _recorded_without(target, version):
+            return TargetStatus(st.name, st.module, NOT_APPLICABLE,
+                                f"{target.distribution} {version} is a recorded release with nothing for "
+                                f"{target.name} to patch (judged again on `import {target.module}`)", version)
     return st
+
+
+def _recorded_without(target: Target, version: str | None) -> bool:
+    """Whether ``version`` is a release some target of the same distribution records, and
+    this one does not: its import would read not applicable, as the version matrix checks."""
+    release = public_version(version)
+    return bool(release) and release not in target.fingerprints and any(
+        release in t.fingerprints for t in _targets if t.distribution == target.distribution)
 
 
 def status() -> Status:

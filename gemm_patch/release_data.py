@@ -42,3 +42,17 @@ def main_commit() -> str:
 def distributions() -> tuple[str, ...]:
     """The distributions whose versions key the targets' tables, in the file's order."""
     return tuple(dict.fromkeys(entry["distribution"] for entry in load()["targets"].values()))
+
+
+def not_applicable(name: str) -> dict[str, str]:
+    """Target ``name``'s code with nothing to fix (fingerprint -> what that code is): its entry's
+    ``not_applicable`` table and, where the entry names an ``other_form`` (another target that
+    patches the other form of the same function), every fingerprint that target records."""
+    entry = target(name)
+    table: dict[str, str] = {}
+    other = entry.get("other_form")
+    if other:
+        for release, fingerprint in target(other)["fingerprints"].items():
+            table.setdefault(fingerprint, f"the code {other} patches ({target(other)['distribution']} {release})")
+    table.update(entry.get("not_applicable", {}))
+    return table

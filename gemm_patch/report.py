@@ -124,14 +124,20 @@ class Status:
     def __str__(self) -> str:
         return self.render()
 
-    def render(self, all_targets: bool = False) -> str:
+    def render(self, all_targets: bool = False, error_below: bool = False) -> str:
         """The text of ``gemm-patch status``: the targets that concern what is installed (every
-        one with ``all_targets``), what each state shown means, apex, the backends."""
+        one with ``all_targets``), what each state shown means, apex, the backends.
+        ``error_below``: a configuration error is printed in full after this text (the
+        command's last line, on stderr), so here it is only named."""
         lines = [f"gemm_patch {self.version}: {'applied' if self.applied else 'not applied'}"
                  f"{' (strict)' if self.strict else ''}"]
         if self.disabled:
             lines.append(f"  disabled: {self.disabled}")
-        if self.config_error:
+        if self.config_error and error_below:
+            variable = self.config_error.split("=", 1)[0]
+            lines.append(f"  configuration error: {variable} holds a value gemm_patch does not accept "
+                         f"(the last line says which, and what is accepted)")
+        elif self.config_error:
             lines.append(f"  configuration error: {self.config_error}")
         installed = ", ".join(f"{k} {v}" for k, v in self.versions.items() if v is not None)
         lines.append(f"  installed: {installed or 'none of megatron-core, TE, torch, NeMo'}")

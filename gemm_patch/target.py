@@ -10,14 +10,17 @@ release) is in ``gemm_patch/releases.json``, under its name.
 from __future__ import annotations
 
 import types
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import wrapt
 
 from . import release_data
 from .callsite import CallSiteError
+from .config import Config
+
+DEFAULTS = Config()  # the configuration of a process with no GEMM_PATCH_* variable set
 
 VERIFIED = "verified"  # the code relied on is the one recorded for this release
 COMPATIBLE = "compatible"  # identical to the code of another verified release
@@ -46,6 +49,22 @@ STATE_MEANINGS = {
 }
 
 ALLOW_UNVERIFIED = "GEMM_PATCH_ALLOW_UNVERIFIED"
+
+
+# The states of every target now (name -> state), for a patch that asks at run time how the
+# others stand (nemo-fsdp-gaf): the patcher's status(), handed down by ``use_targets``, so that
+# no target module imports the patcher.
+_states_reader: Callable[[], Mapping[str, str]] = dict
+
+
+def read_states_with(reader: Callable[[], Mapping[str, str]]) -> None:
+    global _states_reader
+    _states_reader = reader
+
+
+def current_states() -> Mapping[str, str]:
+    """Every registered target's state now (as ``status()`` reports it)."""
+    return _states_reader()
 
 
 @dataclass
@@ -186,18 +205,27 @@ class Target:
     # Fingerprints of upstream code that fixes the defect itself -> the upstream change: such code
     # reads "not applicable" (nothing to fix), where any other unknown code reads "unverified".
     fixed_upstream: Mapping[str, str] = None  # type: ignore[assignment]
+    # Fingerprints of code that has nothing for this target to fix although ``inspect`` finds it
+    # (the function exists, without the call or statement the target patches) -> what that code
+    # is. Code without the site whose fingerprint is in neither table reads "unverified": it may
+    # hold the same defect in another form, which no source match can tell. None (the default):
+    # the entry's ``not_applicable`` table, plus every fingerprint of its ``other_form`` target
+    # (two targets that patch two forms of one function: a release has one form or the other).
+    not_applicable: Mapping[str, str] = None  # type: ignore[assignment]
 
     # States of this target's own beyond the common ones (state -> meaning), and whether each
     # counts as applying to what is installed (shown by `gemm-patch status` without --all).
     extra_states: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.fingerprints is None or self.fixed_upstream is None:
+        if self.fingerprints is None or self.fixed_upstream is None or self.not_applicable is None:
             entry = release_data.target(self.name)
             if self.fingerprints is None:
                 object.__setattr__(self, "fingerprints", dict(entry["fingerprints"]))
             if self.fixed_upstream is None:
                 object.__setattr__(self, "fixed_upstream", dict(entry.get("fixed_upstream", {})))
+            if self.not_applicable is None:
+                object.__setattr__(self, "not_applicable", release_data.not_applicable(self.name))
 
     @property
     def switch_variable(self) -> str:
@@ -209,15 +237,16 @@ class Target:
 
     # -- what a target supplies ---------------------------------------------------------------
 
-    def precheck(self, module: types.ModuleType) -> tuple[str, str] | None:
+    def precheck(self, module: types.ModuleType, cfg: Config) -> tuple[str, str] | None:
         """A (state, reason) that settles the target before any inspection, or None."""
         return None
 
-    def inspect(self, module: types.ModuleType) -> Inspection:
-        """Read the live module (and its source); raise ``callsite.CallSiteError`` to skip."""
+    def inspect(self, module: types.ModuleType, cfg: Config = DEFAULTS) -> Inspection:
+        """Read the live module (and its source) under ``cfg`` (the defaults where a tool such as
+        ``compat/fingerprint.py`` only reads it); raise ``callsite.CallSiteError`` to skip."""
         raise NotImplementedError
 
-    def install(self, module: types.ModuleType, found: Inspection, undo: Undo, cfg: Any) -> str | None:
+    def install(self, module: types.ModuleType, found: Inspection, undo: Undo, cfg: Config) -> str | None:
         """Make the patch, every assignment through ``undo``; may return a note for the reason
         (what an optional part, under its own switch in ``options``, did)."""
         raise NotImplementedError
@@ -231,6 +260,11 @@ class Target:
         """None while the installed patch is what ``module`` uses; otherwise what is there."""
         left = undo.in_place()
         return f"{', '.join(left)} no longer gemm_patch's" if left else None
+
+    def home(self, module: types.ModuleType) -> types.ModuleType:
+        """The module whose objects ``install`` replaces when ``module`` is imported: ``module``
+        itself, unless the target patches another module that this one imports."""
+        return module
 
     # -- what a target says ---------------------------------------------------------------
 
@@ -248,32 +282,33 @@ class Target:
 
     # -- the template ------------------------------------------------------------------------
 
-    def patch(self, module: types.ModuleType, version: str | None, cfg: Any) -> tuple[TargetStatus, Undo]:
+    def patch(self, module: types.ModuleType, version: str | None, cfg: Config) -> tuple[TargetStatus, Undo]:
         """Judge and, where proven, patch ``module``. Raises ``Refused`` under strict mode for
         unknown code and for a skip; every other outcome is a status."""
         def status(state: str, reason: str, fp: str | None = None) -> TargetStatus:
             return TargetStatus(self.name, self.module, state, reason, version, fp)
 
-        if self.name in cfg.left_out:
-            return status(OFF, "GEMM_PATCH_DISABLE lists it"), Undo()
-        if not cfg.switch_on(self.switch_variable, self.default_on):
-            return status(OFF, f"{self.switch_variable}=0" if self.default_on
-                          else f"opt-in: set {self.switch_variable}=1 to enable"), Undo()
-        settled = self.precheck(module)
+        off = self.switched_off(cfg)
+        if off:
+            return status(OFF, off), Undo()
+        settled = self.precheck(module, cfg)
         if settled is not None:
             return status(*settled), Undo()
         try:
-            found = self.inspect(module)
+            found = self.inspect(module, cfg)
         except CallSiteError as exc:
             if cfg.strict:
                 raise Refused(f"{self.name}: {exc}; refused because GEMM_PATCH_STRICT=1") from None
             return status(SKIPPED, str(exc)), Undo()
-        if not found.applicable:
-            return status(NOT_APPLICABLE, found.reason, found.fingerprint), Undo()
         fixed = self.fixed_upstream.get(found.fingerprint or "")
         if fixed:
             return status(NOT_APPLICABLE, f"{found.reason}: fixed upstream ({fixed}); nothing to patch",
                           found.fingerprint), Undo()
+        if not found.applicable:
+            state, reason = self.judge_without_site(version, found, cfg)
+            if state == UNVERIFIED and cfg.strict:
+                raise Refused(f"{self.name}: {reason}; refused because GEMM_PATCH_STRICT=1")
+            return status(state, reason, found.fingerprint), Undo()
         state, reason = self.judge(version, found, cfg)
         if state == UNVERIFIED:
             if cfg.strict:
@@ -283,7 +318,39 @@ class Target:
         note = self.install(module, found, undo, cfg)
         return status(state, f"{reason}; {note}" if note else reason, found.fingerprint), undo
 
-    def judge(self, version: str | None, found: Inspection, cfg: Any) -> tuple[str, str]:
+    def switched_off(self, cfg: Config) -> str | None:
+        """Why the configuration turns this target off (the reason its status gives), or None."""
+        if self.name in cfg.left_out:
+            return "GEMM_PATCH_DISABLE lists it"
+        if not cfg.switch_on(self.switch_variable, self.default_on):
+            return f"{self.switch_variable}=0" if self.default_on else f"opt-in: set {self.switch_variable}=1 to enable"
+        return None
+
+    def _unknown(self, version: str | None, fp: str | None) -> str:
+        recorded = self.fingerprints.get(public_version(version))
+        if recorded:
+            return f"fingerprint {fp} differs from the recorded {recorded}"
+        return (f"{self.distribution} {version or '(unknown version)'} is not a verified release and its "
+                f"fingerprint {fp} matches none that is")
+
+    def judge_without_site(self, version: str | None, found: Inspection, cfg: Config) -> tuple[str, str]:
+        """Code that ``inspect`` found without what the target patches: not applicable where
+        nothing is there to fingerprint (no such module or function) or where the code is
+        recorded as having nothing to fix; otherwise unknown code, left alone (with the gate
+        open, nothing to patch)."""
+        fp = found.fingerprint
+        if fp is None:
+            return NOT_APPLICABLE, found.reason
+        known = self.not_applicable.get(fp)
+        if known:
+            return NOT_APPLICABLE, f"{found.reason}: {known}; nothing to patch"
+        reason = f"{found.reason}, and its {self.relies_on} is unknown ({self._unknown(version, fp)})"
+        if cfg.allow_unverified:
+            return NOT_APPLICABLE, f"{reason}; nothing to patch there ({ALLOW_UNVERIFIED}=1 accepts unknown code)"
+        return UNVERIFIED, (f"{reason}; left alone: the defect may be there in another form "
+                            f"({ALLOW_UNVERIFIED}=1 accepts it as nothing to patch)")
+
+    def judge(self, version: str | None, found: Inspection, cfg: Config) -> tuple[str, str]:
         fp, dist = found.fingerprint, self.distribution
         release = public_version(version)
         if self.fingerprints.get(release) == fp:
@@ -292,11 +359,7 @@ class Target:
         if twins:
             return COMPATIBLE, (f"{found.reason}: {dist} {version or '(unknown version)'} is not a verified "
                                 f"release, but its {self.relies_on} is identical to {dist} {twins[-1]}'s")
-        recorded = self.fingerprints.get(release)
-        differs = (f"fingerprint {fp} differs from the recorded {recorded}" if recorded
-                   else f"{dist} {version or '(unknown version)'} is not a verified release and its "
-                        f"fingerprint {fp} matches none that is")
-        reason = f"{found.reason}: {self.relies_on} unknown ({differs})"
+        reason = f"{found.reason}: {self.relies_on} unknown ({self._unknown(version, fp)})"
         if cfg.allow_unverified:
             return FORCED, f"{reason}; patched because {ALLOW_UNVERIFIED}=1"
         return UNVERIFIED, f"{reason}; left alone ({ALLOW_UNVERIFIED}=1 patches it)"
@@ -324,9 +387,9 @@ class MethodTarget(Target):
 
     def in_place(self, module: types.ModuleType, undo: Undo) -> str | None:
         live = self.live_object(module)
-        if getattr(live, "_self_gemm_patch_target", None) == self.name:
-            return None
-        return f"{module.__name__}.{self.where} is now {_describe(live)}, not gemm_patch's wrapper"
+        if getattr(live, "_self_gemm_patch_target", None) != self.name:
+            return f"{module.__name__}.{self.where} is now {_describe(live)}, not gemm_patch's wrapper"
+        return Target.in_place(self, module, undo)  # the classes of an earlier execution too
 
 
 class PatchedTwin(wrapt.FunctionWrapper):
@@ -344,3 +407,21 @@ class PatchedTwin(wrapt.FunctionWrapper):
 
         super().__init__(original, run_twin)
         self._self_gemm_patch_twin = twin
+
+
+T = TypeVar("T", bound="Target")
+
+# Megatron-FSDP ships twice: inside megatron-core (this package) and on its own as megatron-fsdp
+# (imported as ``megatron_fsdp``), the same code keyed by each distribution's versions.
+MCORE_FSDP_PACKAGE = "megatron.core.distributed.fsdp.src.megatron_fsdp"
+
+
+def in_both_fsdp_packages(make: Callable[..., T], name: str, submodule: str, **fields: Any) -> tuple[T, T]:
+    """The target ``name`` for megatron-core's Megatron-FSDP and ``m<name>`` for megatron-fsdp's,
+    one switch for both: ``make(name=, distribution=, module=, **fields)``; a field's ``{package}``
+    is that copy's package (``megatron.core.distributed.fsdp.src.megatron_fsdp`` or ``megatron_fsdp``)."""
+    def one(prefix: str, distribution: str, package: str) -> T:
+        own = {k: v.format(package=package) if isinstance(v, str) and "{package}" in v else v
+               for k, v in fields.items()}
+        return make(name=prefix + name, distribution=distribution, module=f"{package}.{submodule}", **own)
+    return one("", "megatron-core", MCORE_FSDP_PACKAGE), one("m", "megatron-fsdp", "megatron_fsdp")

@@ -29,7 +29,7 @@ import pytest
 
 import gemm_patch
 from gemm_patch import patcher
-from gemm_patch.target import NOT_APPLICABLE, OFF, PATCHED_STATES, REPLACED, UNVERIFIED, Step, Target
+from gemm_patch.target import NOT_APPLICABLE, OFF, PATCHED_STATES, PENDING, REPLACED, UNVERIFIED, Step, Target
 from gemm_patch.targets import REGISTRY
 
 IGNORED = frozenset({"__warningregistry__"})
@@ -171,6 +171,7 @@ if order == "module first":
     import_targets()
 import gemm_patch
 from gemm_patch import patcher
+before = {t.name: t.state for t in gemm_patch.status().targets}
 import_targets()
 found = {}
 for target in patcher.targets():
@@ -180,6 +181,7 @@ for target in patcher.targets():
         "state": {t.name: t.state for t in gemm_patch.status().targets}[target.name],
         "on_live_module": bool(installs) and installs[-1].module is live
                           and target.in_place(live, installs[-1].undo) is None,
+        "before_import": before[target.name],
     }
 print("CONTRACT", json.dumps(found))
 """
@@ -204,6 +206,8 @@ def check_import_order(target: Target, expect: str, order: str, component: str) 
     found = import_order_run(order, modules)[target.name]
     assert found["state"] == expect, found
     assert found["on_live_module"] == patched(expect), found
+    if order == "gemm_patch first":  # what status said before the import agrees with what it made
+        assert found["before_import"] == (PENDING if patched(expect) else expect), found
 
 
 def check_apply_revert_apply(target: Target, expect: str) -> None:
@@ -299,6 +303,198 @@ def check_reimport(target: Target, expect: str) -> None:
             sys.modules[target.module] = old
             if parent is not None:
                 setattr(parent, short, old)
+            forget(target.module, keep=old)
+
+
+def forget(name: str, keep: types.ModuleType) -> None:
+    """The module objects of ``name`` a check made and dropped again (a fresh import after
+    ``del sys.modules``): nothing holds them any more, so the patcher need not patch them on
+    every later apply() of the test run."""
+    seen = getattr(patcher._state, "seen", {}).get(name)
+    if seen is not None:
+        seen[:] = [m for m in seen if m is keep]
+
+
+# -- what megatron can reach, after a sequence of imports, reloads, revert() and apply() ---------
+
+def _wgrad_runs_patched(layers: types.ModuleType) -> bool:
+    """megatron's own fused-wgrad function of ``layers``, two micro-batches into a persistent
+    fp32 Megatron-FSDP buffer: True where they add up (patched); False where the bf16 product
+    cannot be written into fp32 (upstream's dtype error) or only the last one survives."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(6, 4, generator=gen).to(torch.bfloat16))
+    buffer = torch.zeros(6, 4)
+    # No grad_added_to_main_grad: megatron then returns no dummy (whose device would be CUDA's).
+    weight.__fsdp_param__, weight.main_grad, weight.get_main_grad = True, buffer, lambda: buffer
+    weight._gbuf = types.SimpleNamespace(is_data_distributed=False)
+    expected = torch.zeros(6, 4, dtype=torch.float64)
+    for _ in range(2):
+        x = torch.randn(5, 4, generator=gen).to(torch.bfloat16).requires_grad_()
+        grad_out = torch.randn(5, 6, generator=gen).to(torch.bfloat16)
+        try:
+            layers.linear_with_grad_accumulation_and_async_allreduce(
+                x, weight, None, gradient_accumulation_fusion=True, allreduce_dgrad=False,
+                sequence_parallel=False).backward(grad_out)
+        except RuntimeError as exc:
+            if "dtype" in str(exc):
+                return False
+            raise
+        expected += grad_out.double().t() @ x.detach().double()
+    return bool(torch.allclose(buffer.double(), expected, rtol=1e-2, atol=1e-2))
+
+
+def _apex_runs_patched(layers: types.ModuleType) -> bool:
+    """The apex extension ``layers`` calls in its wgrad path: True where it is there and adds
+    ``grad_output^T @ input`` into main_grad (gemm_patch's stand-in); False where it is missing."""
+    import torch
+
+    extension = vars(layers).get("fused_weight_gradient_mlp_cuda")
+    if extension is None or not vars(layers).get("_grad_accum_fusion_available"):
+        return False
+    total_input, grad_output = torch.ones(3, 4, dtype=torch.bfloat16), torch.ones(3, 2, dtype=torch.bfloat16)
+    main_grad = torch.ones(2, 4)
+    extension.wgrad_gemm_accum_fp32(total_input, grad_output, main_grad)
+    return bool(torch.equal(main_grad, torch.full((2, 4), 4.0)))
+
+
+# Per target, megatron's code run through a module object it can reach: True where it behaves
+# patched. Every target is also checked by identity at each place its install assigned.
+RUNS_PATCHED = {"fsdp-wgrad": _wgrad_runs_patched, "fsdp-wgrad-gemm": _wgrad_runs_patched,
+                "apex-wgrad": _apex_runs_patched}
+
+
+def _is_gemm_patch_object(target: Target, value: Any, step: Step) -> bool:
+    marked = getattr(value, "_self_gemm_patch_target", None) or getattr(value, "_gemm_patch_target", None)
+    return marked == target.name or (not callable(value) and value is step.installed)
+
+
+class Reachable:
+    """What megatron can reach of a target's patch: the places its first install assigned (the
+    objects megatron's code imported then: module objects, classes), and the same places in the
+    module objects and classes imported now (after a fresh import or a reload)."""
+
+    def __init__(self, target: Target) -> None:
+        self.target = target
+        self.first = [step for step in steps(target) if not step.is_item]
+        self.modules: list[types.ModuleType] = [sys.modules[target.module]]
+        assert self.first, f"{target.name}: nothing installed to follow"
+
+    def places(self) -> list[tuple[Any, Step]]:
+        found: list[tuple[Any, Step]] = []
+        for step in self.first:
+            owner = step.owner
+            if isinstance(owner, types.ModuleType):
+                now = sys.modules.get(owner.__name__)
+            else:
+                now = vars(sys.modules.get(owner.__module__) or types.ModuleType("-")).get(owner.__name__)
+            for place in (owner, now):
+                if place is not None and not any(p is place and s.name == step.name for p, s in found):
+                    found.append((place, step))
+        return found
+
+    def check(self, when: str) -> None:
+        """Every reachable place holds gemm_patch's object, and megatron's code run through each
+        module object behaves patched, exactly where status() says the target is patched."""
+        live = sys.modules.get(self.target.module)
+        if live is not None and not any(m is live for m in self.modules):
+            self.modules.append(live)
+        st = state_of(self.target.name)
+        want = st.state in PATCHED_STATES
+        wrong = [f"{getattr(owner, '__qualname__', getattr(owner, '__name__', owner))}.{step.name}"
+                 for owner, step in self.places()
+                 if _is_gemm_patch_object(self.target, vars(owner).get(step.name), step) != want]
+        runs = RUNS_PATCHED.get(self.target.name)
+        if runs is not None:
+            wrong += [f"megatron's code through {m.__name__} module object {i}"
+                      for i, m in enumerate(self.modules) if runs(m) != want]
+        assert not wrong, (f"after {when}: status says {st.state} ({st.reason}), but these are "
+                           f"{'not ' if want else ''}patched: {wrong}")
+
+
+def check_reachable_after_sequences(target: Target, expect: str) -> None:
+    """After a fresh import (``del sys.modules``), ``importlib.reload``, revert() and apply() in
+    turn, and a reload of each other module its install patched followed by apply(), what
+    megatron can reach is patched exactly where status() says so."""
+    if not patched(expect):
+        pytest.skip(f"{target.name} is {expect} here: nothing installed to follow")
+    with only(target):
+        first = import_module(target)
+        parent_name, _, short = target.module.rpartition(".")
+        parent = sys.modules.get(parent_name)
+        gemm_patch.apply()
+        reachable = Reachable(target)
+        names = {getattr(step.owner, "__module__", None) for step in reachable.first} - {target.module, None}
+        others = [sys.modules[name] for name in sorted(names) if name in sys.modules]
+        gemm_patch.revert()
+        unpatched = [(module, dict(vars(module))) for module in others]  # put back afterwards
+        gemm_patch.apply()
+        reachable.check("apply()")
+        del sys.modules[target.module]
+        try:
+            fresh = importlib.import_module(target.module)
+            reachable.check("del sys.modules[...] and a fresh import")
+            gemm_patch.revert()
+            reachable.check("revert()")
+            gemm_patch.apply()
+            reachable.check("revert() and apply() after the fresh import")
+            importlib.reload(fresh)
+            reachable.check("importlib.reload")
+            gemm_patch.revert()
+            gemm_patch.apply()
+            reachable.check("importlib.reload, revert() and apply()")
+            for module in others:
+                importlib.reload(module)
+                gemm_patch.apply()
+                reachable.check(f"importlib.reload({module.__name__}) and apply()")
+        finally:
+            gemm_patch.revert()
+            for module, contents in unpatched:
+                vars(module).clear()
+                vars(module).update(contents)
+            sys.modules[target.module] = first
+            if parent is not None:
+                setattr(parent, short, first)
+            forget(target.module, keep=first)
+
+
+def check_states_before_import(component: str, expected: dict[str, str]) -> None:
+    """While its module is not imported, each target of ``component`` reads what its import
+    will make it read (``pending`` only where it will be patched), and a target turned off
+    reads ``off`` (or ``not applicable``, with no such module) at once, never ``pending``. One
+    check for the component: with the modules out of sys.modules nothing is patched, so the
+    targets need not be applied one at a time."""
+    targets = targets_of(component)
+    names = sorted({t.module for t in targets})
+    gemm_patch.revert()
+    modules = {name: sys.modules.pop(name, None) for name in names}
+    remembered = getattr(patcher._state, "seen", {})  # the module objects the patcher patches again
+    seen = {name: remembered.pop(name, None) for name in names}
+    try:
+        gemm_patch.apply()
+        states = {t.name: state_of(t.name) for t in targets}
+        wrong = {name: st for name, st in states.items()
+                 if st.state != (PENDING if patched(expected[name]) else expected[name])}
+        assert not wrong, wrong
+        for_all = {"GEMM_PATCH_DISABLE": ",".join(t.name for t in REGISTRY)}
+        switches = {t.switch_variable: "0" if t.default_on else None for t in targets}
+        for variables in (for_all, switches):
+            gemm_patch.revert()
+            with environ(**variables):
+                gemm_patch.apply()
+                for target in targets:
+                    st = state_of(target.name)
+                    allowed = (OFF,) if modules[target.module] is not None else (OFF, NOT_APPLICABLE)
+                    assert st.state in allowed, (variables, st)
+    finally:
+        gemm_patch.revert()
+        for name in names:
+            if modules[name] is not None:
+                sys.modules[name] = modules[name]
+            if seen[name] is not None:
+                remembered[name] = seen[name]
+        gemm_patch.apply()
 
 
 def check_replaced(target: Target, expect: str) -> None:
@@ -420,6 +616,13 @@ def define_tests(namespace: dict, component: str, expected: dict[str, str]) -> N
     @by_target
     def test_reimport_patches_the_new_module_and_keeps_the_old(target):
         check_reimport(target, expect(target))
+
+    @by_target
+    def test_what_megatron_reaches_is_patched_iff_status_says_so(target):
+        check_reachable_after_sequences(target, expect(target))
+
+    def test_states_before_the_import_agree_and_off_is_never_pending():
+        check_states_before_import(component, expected)
 
     @by_target
     def test_replaced_object_is_left_alone(target):

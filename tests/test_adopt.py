@@ -221,3 +221,22 @@ def test_an_overwriting_copy_is_refused_for_the_affected_target(tmp_path, monkey
     shared = result["fsdp-shared-grad"]
     assert {f.file for f in shared.failures} <= {f.file for f in wgrad.failures}, (shared.line(), wgrad.line())
     assert result["fsdp-one-rank-scale"].ok, result["fsdp-one-rank-scale"].line()
+
+
+def test_code_without_the_site_that_nothing_records_is_named():
+    """Not applicable in the adoption run (gate open), unverified in the matrix: said, so that the
+    code is checked and recorded in the target's not_applicable table."""
+    from gemm_patch.targets import REGISTRY
+
+    by_name = {t.name: t for t in REGISTRY}
+    found = {
+        "fsdp-te-overwrite": adopt.Verdict("fsdp-te-overwrite", "not applicable", "3bdddaa008f6fa19"),  # 0.14.0's
+        "fsdp-wgrad-gemm": adopt.Verdict("fsdp-wgrad-gemm", "not applicable", "7ec854ca9d6a137e"),  # fsdp-wgrad's
+        "moe-te-overwrite": adopt.Verdict("moe-te-overwrite", "not applicable", None),  # no such function
+        "fsdp-wgrad": adopt.Verdict("fsdp-wgrad", "forced", "00000000000000aa", passed=3),  # recorded now
+        "fsdp-te-overwrite-by-strategy": adopt.Verdict("fsdp-te-overwrite-by-strategy", "not applicable",
+                                                       "00000000000000bb"),
+        "fsdp-shared-grad": adopt.Verdict("fsdp-shared-grad", "not applicable", "00000000000000aa"),
+    }
+    lines = adopt.unrecorded_without_site(found, by_name)
+    assert len(lines) == 1 and lines[0].startswith("fsdp-te-overwrite-by-strategy: its code (00000000000000bb)"), lines

@@ -1,6 +1,7 @@
 """The apex-wgrad target's gate on synthetic modules shaped like megatron-core's layers module:
-not applicable where the guarded import or the calls are absent, unverified for an unknown
-release, exact undo (no megatron needed; tests/megatron runs it against every release)."""
+not applicable where the module has no apex usage at all, unverified where the guarded import or
+the calls are not found in unknown code and for an unknown release, exact undo (no megatron
+needed; tests/megatron runs it against every release)."""
 
 from __future__ import annotations
 
@@ -69,16 +70,38 @@ def test_provides_and_undoes_exactly(load):
     assert vars(module).keys() == before.keys() and all(vars(module)[k] is before[k] for k in before)
 
 
+ALIASED_CALLS = CALLS.replace("    if weight", "    apex = fused_weight_gradient_mlp_cuda\n    if weight").replace(
+    "        fused_weight_gradient_mlp_cuda.wgrad", "        apex.wgrad")
+
+
 @pytest.mark.parametrize("source, why", [
     (CHECK + CALLS, "no guarded `import fused_weight_gradient_mlp_cuda`"),
     (GUARD + CHECK, "calls none of"),
+    (GUARD + CHECK + ALIASED_CALLS, "calls none of"),  # a style-only edit: the calls through a local name
 ])
-def test_not_applicable_without_the_guard_or_the_calls(load, source, why):
+def test_without_the_guard_or_the_calls_unknown_code_is_unverified(load, source, why):
+    """Code that uses apex in a way the source match does not see may still need the stand-in:
+    unknown code, left alone with the reason, never "not applicable" on a guess."""
     module = load(source)
-    st, undo = target_for(module).patch(module, "9.9.9", STRICT)
-    assert st.state == "not applicable" and why in st.reason, st.reason
+    st, undo = APEX_WGRAD.patch(module, "9.9.9", Config())
+    assert st.state == "unverified" and why in st.reason and "another form" in st.reason, st.reason
+    assert undo.steps == [] and EXT not in sys.modules
+    with pytest.raises(Refused, match="GEMM_PATCH_STRICT"):
+        APEX_WGRAD.patch(module, "9.9.9", STRICT)
+    st, undo = APEX_WGRAD.patch(module, "9.9.9", Config(allow_unverified=True))
+    assert st.state == "not applicable" and "GEMM_PATCH_ALLOW_UNVERIFIED=1" in st.reason and undo.steps == []
+    recorded = dataclasses.replace(APEX_WGRAD, not_applicable={st.fingerprint: "a layers module without apex"})
+    st, undo = recorded.patch(module, "9.9.9", STRICT)
+    assert st.state == "not applicable" and "a layers module without apex" in st.reason, st.reason
     assert undo.steps == [] and EXT not in sys.modules
     assert apex_word(st) == "missing"
+
+
+def test_a_module_without_apex_usage_is_not_applicable(load):
+    module = load("def backward(total_input, grad_output, weight):\n    return total_input\n")
+    st, undo = APEX_WGRAD.patch(module, "9.9.9", STRICT)
+    assert st.state == "not applicable" and "no guarded" in st.reason, st.reason
+    assert undo.steps == [] and EXT not in sys.modules
 
 
 def test_a_changed_call_is_unverified_and_refused_in_strict_mode(load):

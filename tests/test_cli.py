@@ -217,6 +217,7 @@ def test_status_counts_megatron_warnings_instead_of_showing_them():
     shown = [line for line in debug.stderr.splitlines()
              if line.startswith("[gemm_patch] DEBUG: warning while importing the target modules:")]
     assert len(shown) == count, debug.stderr
+    assert not WARNINGS_NOTE.search(debug.stdout), "under DEBUG they are shown, not suppressed"
 
     as_json = cli("status", "--json", env=env)
     json.loads(as_json.stdout)  # stdout stays pure JSON: the count goes to stderr

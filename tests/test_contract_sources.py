@@ -63,6 +63,7 @@ def modules_in_place(build) -> Iterator[None]:
                 sys.modules.pop(name, None)
             else:
                 sys.modules[name] = value
+            contract.forget(name, keep=value)  # the release's modules: gone, not patched again
         gemm_patch.apply()
 
 

@@ -27,7 +27,9 @@ print("REPORT", json.dumps({
     "stand_in": getattr(vars(L).get("fused_weight_gradient_mlp_cuda"), "__gemm_patch_stand_in__", False),
 }))
 """
-IMPORT_FIRST = "import gemm_patch\n" + REPORT
+# What status says right after `import gemm_patch`, before megatron is imported.
+IMPORT_FIRST = ("import gemm_patch, json\n"
+                "print('BEFORE', json.dumps({t.name: t.state for t in gemm_patch.status().targets}))\n" + REPORT)
 
 
 def report(out: subprocess.CompletedProcess) -> dict:
@@ -46,10 +48,14 @@ def assert_left_out(found: dict) -> None:
 
 def test_import_gemm_patch():
     env = clean_env(megatron=True, GEMM_PATCH_DISABLE="fsdp-wgrad,apex-wgrad")
-    found = report(subprocess.run([sys.executable, "-c", IMPORT_FIRST + "import megatron.core.distributed\n" + REPORT],
-                                  capture_output=True, text=True, env=env, timeout=300))
+    out = subprocess.run([sys.executable, "-c", IMPORT_FIRST + "import megatron.core.distributed\n" + REPORT],
+                         capture_output=True, text=True, env=env, timeout=300)
+    found = report(out)
     assert_left_out(found)
     assert found["states"]["fsdp-te-overwrite"][0] == "verified"
+    before = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("BEFORE "))[7:])
+    assert before["fsdp-wgrad"] == before["apex-wgrad"] == "off", "a target turned off never reads pending"
+    assert before["fsdp-te-overwrite"] == "pending"
 
 
 def test_gemm_patch_run():
@@ -86,3 +92,5 @@ def test_status_with_an_unknown_name_exits_1():
     out = subprocess.run([*gemm_patch_command(), "status"], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 1, out
     assert "gemm-patch status: GEMM_PATCH_DISABLE=" in out.stderr, out.stderr
+    assert (out.stdout + out.stderr).count("names no target 'bogus'") == 1, "the error is said once"
+    assert "configuration error: GEMM_PATCH_DISABLE holds a value" in out.stdout

@@ -130,3 +130,24 @@ def test_unavailable_forced_backend_warns_and_falls_back(caplog):
         d.gemm(a, b, out, accumulate=False)
     assert rel(out, reference(a, b)) < 1e-6
     assert any("GEMM_PATCH_BACKEND=native cannot be used" in r.getMessage() for r in caplog.records)
+
+
+def test_the_dispatcher_follows_the_latest_apply(monkeypatch):
+    """A new GEMM_PATCH_BACKEND, then apply() (again, or after revert()): the dispatcher runs in
+    the order status() shows (0.3.0 kept the order of its first use)."""
+    import gemm_patch
+    from gemm_patch.dispatcher import active_dispatcher
+
+    try:
+        for backend, order, revert in (("fallback", ("fallback",), False), ("native", ("native", "fallback"), False),
+                                       ("te", ("te", "fallback"), True), ("auto", ("native", "te", "fallback"), True)):
+            monkeypatch.setenv("GEMM_PATCH_BACKEND", backend)
+            if revert:
+                gemm_patch.revert()
+            st = gemm_patch.apply()
+            assert active_dispatcher().order == order, backend
+            assert st.backend == backend and st.backends["order"] == list(order), st.backends
+    finally:
+        monkeypatch.delenv("GEMM_PATCH_BACKEND")
+        gemm_patch.revert()
+        gemm_patch.apply()

@@ -18,7 +18,8 @@ sys.path.insert(0, str(ROOT / "compat"))
 import adopt  # noqa: E402
 
 DATA = release_data.load()
-ENTRY_KEYS = {"distribution", "note", "fingerprints", "fixed_upstream", "param_arg_fingerprints"}
+ENTRY_KEYS = {"distribution", "note", "fingerprints", "fixed_upstream", "param_arg_fingerprints", "not_applicable",
+              "other_form"}
 HEX16 = re.compile(r"[0-9a-f]{16}")
 
 
@@ -50,6 +51,13 @@ def test_entry_schema(target):
         assert HEX16.fullmatch(fingerprint) and change.strip(), (fingerprint, change)
         assert fingerprint not in entry["fingerprints"].values(), f"{fingerprint} is both fixed upstream and patched"
     assert all(HEX16.fullmatch(fp) for fp in entry.get("param_arg_fingerprints", ())), entry
+    for fingerprint, what in entry.get("not_applicable", {}).items():
+        assert HEX16.fullmatch(fingerprint) and what.strip(), (fingerprint, what)
+        assert fingerprint not in entry["fingerprints"].values(), f"{fingerprint} is both nothing to fix and patched"
+    if "other_form" in entry:
+        other = DATA["targets"][entry["other_form"]]
+        assert other["distribution"] == entry["distribution"] and other.get("other_form") == target.name, \
+            "two forms of one function name each other, under one distribution"
 
 
 def test_the_target_reads_its_tables_from_the_file():
@@ -57,6 +65,9 @@ def test_the_target_reads_its_tables_from_the_file():
         entry = DATA["targets"][target.name]
         assert dict(target.fingerprints) == entry["fingerprints"], target.name
         assert dict(target.fixed_upstream) == entry.get("fixed_upstream", {}), target.name
+        assert entry.get("not_applicable", {}).items() <= dict(target.not_applicable).items(), target.name
+        if "other_form" in entry:
+            assert set(DATA["targets"][entry["other_form"]]["fingerprints"].values()) <= set(target.not_applicable)
 
 
 def test_main_pin():

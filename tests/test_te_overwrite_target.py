@@ -111,16 +111,46 @@ def test_no_shard_adds_no_attribute(load):
 
 
 @pytest.mark.parametrize("source, why", [
-    (SOURCE.replace("param.overwrite_main_grad   =   True", "pass"), "no `param.overwrite_main_grad = True`"),
     (SOURCE.replace(f"def {METHOD}", "def other"), "has no MegatronFSDP.all_gather_and_wait_parameters_ready"),
     (SOURCE.replace("class MegatronFSDP", "class Other"), "has no MegatronFSDP."),
 ])
-def test_not_applicable_without_the_method_or_the_statement(load, source, why):
+def test_not_applicable_without_the_method(load, source, why):
     module = load(source)
     before = {k: v for k, v in vars(module).items()}
     st, undo = FSDP_TE_OVERWRITE.patch(module, "9.9.9", STRICT)
     assert st.state == "not applicable" and why in st.reason, st.reason
     assert undo.steps == [] and all(vars(module)[k] is v for k, v in before.items())
+
+
+@pytest.mark.parametrize("statement", [
+    "pass",
+    "flag = True; param.overwrite_main_grad = flag",  # a style-only edit that keeps the flag set
+])
+def test_without_the_statement_unknown_code_is_unverified(load, statement):
+    """The method without the literal statement is not proof that nothing sets the flag: unknown
+    code reads unverified (refused in strict mode); recorded code without it (the other form's,
+    megatron-core 0.14.0's) reads not applicable."""
+    module = load(SOURCE.replace("param.overwrite_main_grad   =   True", statement))
+    before = {k: v for k, v in vars(module).items()}
+    st, undo = FSDP_TE_OVERWRITE.patch(module, "9.9.9", config.Config())
+    assert st.state == "unverified" and "no `param.overwrite_main_grad = True`" in st.reason, st.reason
+    with pytest.raises(Refused):
+        FSDP_TE_OVERWRITE.patch(module, "9.9.9", STRICT)
+    assert undo.steps == [] and all(vars(module)[k] is v for k, v in before.items())
+    recorded = dataclasses.replace(FSDP_TE_OVERWRITE, not_applicable={st.fingerprint: "recorded without it"})
+    st, undo = recorded.patch(module, "9.9.9", STRICT)
+    assert st.state == "not applicable" and "recorded without it" in st.reason and undo.steps == []
+
+
+def test_the_other_forms_code_is_not_applicable():
+    """Each form reads the other's recorded code as not applicable, and megatron-core 0.14.0's."""
+    from gemm_patch.targets.te_overwrite import BY_STRATEGY_TARGET
+
+    for fp in set(FSDP_TE_OVERWRITE.fingerprints.values()):
+        assert "fsdp-te-overwrite patches" in BY_STRATEGY_TARGET.not_applicable[fp]
+    for fp in set(BY_STRATEGY_TARGET.fingerprints.values()):
+        assert "by-strategy patches" in FSDP_TE_OVERWRITE.not_applicable[fp]
+    assert "0.14.0" in FSDP_TE_OVERWRITE.not_applicable["3bdddaa008f6fa19"]
 
 
 def test_a_changed_method_is_left_alone_unless_allowed_and_refused_in_strict_mode(load):

@@ -127,16 +127,18 @@ def load_gemm_patch(source, trigger=None):
         _guard_strict_refusals(source)
 
 
-class _Finder(object):
-    """First on sys.meta_path until gemm_patch is loaded: hands back the spec that the finders
-    behind it find, with the loader of the first module under TRIGGERS wrapped."""
+class _TriggerFinder(object):
+    """On sys.meta_path: for a module under TRIGGERS, hands back the spec that the finders behind
+    it find, with its loader wrapped (``wrap``). Two kinds: the start-up finder (first until
+    gemm_patch is loaded: the first trigger's loader loads gemm_patch before the module runs) and,
+    in strict mode, the guard (first for good: a refusal while a trigger runs ends the process)."""
 
     def __init__(self, source):
         self.source = source
         self._busy = set()  # threads inside find_spec (the finders asked below may ask again)
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname.partition(".")[0] not in TRIGGERS or _done:
+        if fullname.partition(".")[0] not in TRIGGERS or not self.active():
             return None
         me = _thread.get_ident()
         if me in self._busy:
@@ -164,47 +166,31 @@ class _Finder(object):
         loader = spec.loader
         if loader is None or "NamespaceLoader" in type(loader).__name__:
             return spec  # no code to run: wait for a submodule that has some
+        return self.wrap(spec, loader)
+
+    def active(self):
+        return True
+
+    def wrap(self, spec, loader):
+        raise NotImplementedError
+
+
+class _Finder(_TriggerFinder):
+    """The start-up finder: wraps the loader of the first module under TRIGGERS."""
+
+    def active(self):
+        return not _done
+
+    def wrap(self, spec, loader):
         if not hasattr(loader, "exec_module"):
             # A legacy loader (load_module only): load gemm_patch now, here.
-            load_gemm_patch(self.source, fullname)
+            load_gemm_patch(self.source, spec.name)
             return spec
-        spec.loader = _ChainedLoader(loader, self)
+        spec.loader = _WrappedLoader(loader, self.source, _load_then_run)
         return spec
 
 
-class _ChainedLoader(object):
-    """The loader of the first module under TRIGGERS, for the instant between finding it and
-    running it: puts the real loader back, loads gemm_patch, then runs the module."""
-
-    def __init__(self, loader, finder):
-        self.loader = loader
-        self.finder = finder
-
-    def __getattr__(self, name):  # anything else a loader offers (get_code, is_package, ...)
-        if name in ("loader", "finder"):
-            raise AttributeError(name)
-        return getattr(self.loader, name)
-
-    def create_module(self, spec):
-        create = getattr(self.loader, "create_module", None)
-        return create(spec) if create is not None else None
-
-    def exec_module(self, module):
-        spec = getattr(module, "__spec__", None)
-        if spec is not None and spec.loader is self:
-            spec.loader = self.loader
-        if getattr(module, "__loader__", None) is self:
-            module.__loader__ = self.loader
-        load_gemm_patch(self.finder.source, module.__name__)
-        self.loader.exec_module(module)
-
-
-def _is_refusal(exc):
-    """A GemmPatchError (compared by name: this module never imports gemm_patch itself)."""
-    return type(exc).__name__ == "GemmPatchError" and type(exc).__module__.startswith("gemm_patch")
-
-
-class _StrictGuard(object):
+class _StrictGuard(_TriggerFinder):
     """Strict mode only, once gemm_patch is loaded, first on sys.meta_path for good: wraps the
     loader of every module under TRIGGERS so that a GemmPatchError raised while one executes
     (gemm_patch refusing code it does not know, from its post-import hook) ends the process
@@ -216,49 +202,23 @@ class _StrictGuard(object):
     loader that finder wraps (the one whose hook raises) runs inside this one's ``exec_module``:
     ``_guard_strict_refusals`` inserts it after ``import gemm_patch`` has put that finder there."""
 
-    def __init__(self, source):
-        self.source = source
-        self._busy = set()
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname.partition(".")[0] not in TRIGGERS:
-            return None
-        me = _thread.get_ident()
-        if me in self._busy:
-            return None
-        self._busy.add(me)
-        try:
-            spec = None
-            for finder in list(sys.meta_path):
-                if finder is self:
-                    continue
-                find = getattr(finder, "find_spec", None)
-                if find is None:
-                    if hasattr(finder, "find_module"):
-                        return None
-                    continue
-                spec = find(fullname, path, target)
-                if spec is not None:
-                    break
-        except Exception:
-            return None  # Python's own loop asks the same finders and reports what they raise
-        finally:
-            self._busy.discard(me)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        if "NamespaceLoader" in type(spec.loader).__name__:
-            return spec
-        spec.loader = _GuardedLoader(spec.loader, self.source)
+    def wrap(self, spec, loader):
+        if hasattr(loader, "exec_module"):
+            spec.loader = _WrappedLoader(loader, self.source, _run_guarded)
         return spec
 
 
-class _GuardedLoader(object):
-    def __init__(self, loader, source):
+class _WrappedLoader(object):
+    """A trigger's loader for the instant between finding its module and running it: puts the
+    real loader back, then runs the module through ``run(loader, source, module)``."""
+
+    def __init__(self, loader, source, run):
         self.loader = loader
         self.source = source
+        self.run = run
 
-    def __getattr__(self, name):
-        if name in ("loader", "source"):
+    def __getattr__(self, name):  # anything else a loader offers (get_code, is_package, ...)
+        if name in ("loader", "source", "run"):
             raise AttributeError(name)
         return getattr(self.loader, name)
 
@@ -272,14 +232,28 @@ class _GuardedLoader(object):
             spec.loader = self.loader
         if getattr(module, "__loader__", None) is self:
             module.__loader__ = self.loader
-        try:
-            self.loader.exec_module(module)
-        except Exception as exc:
-            # The innermost guarded module stops the process; an outer one sees it only when
-            # gemm_patch raised it with GEMM_PATCH_STRICT since unset (apply(strict=True)).
-            if _is_refusal(exc) and _flag("GEMM_PATCH_STRICT") in _TRUE:
-                _fail(self.source, exc, module.__name__)
-            raise
+        self.run(self.loader, self.source, module)
+
+
+def _load_then_run(loader, source, module):
+    load_gemm_patch(source, module.__name__)
+    loader.exec_module(module)
+
+
+def _is_refusal(exc):
+    """A GemmPatchError (compared by name: this module never imports gemm_patch itself)."""
+    return type(exc).__name__ == "GemmPatchError" and type(exc).__module__.startswith("gemm_patch")
+
+
+def _run_guarded(loader, source, module):
+    try:
+        loader.exec_module(module)
+    except Exception as exc:
+        # The innermost guarded module stops the process; an outer one sees it only when
+        # gemm_patch raised it with GEMM_PATCH_STRICT since unset (apply(strict=True)).
+        if _is_refusal(exc) and _flag("GEMM_PATCH_STRICT") in _TRUE:
+            _fail(source, exc, module.__name__)
+        raise
 
 
 def _guard_strict_refusals(source):

@@ -16,7 +16,6 @@ it only where apex is missing; ``0`` turns the target off.
 
 from __future__ import annotations
 
-import contextvars
 import importlib.machinery
 import sys
 import types
@@ -24,7 +23,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..apex_analysis import find_apex_usage
-from ..target import NOT_APPLICABLE, OFF, PATCHED_STATES, PENDING, SKIPPED, Inspection, Target, TargetStatus, Undo
+from ..config import Config
+from ..target import (
+    DEFAULTS,
+    NOT_APPLICABLE,
+    OFF,
+    PATCHED_STATES,
+    PENDING,
+    SKIPPED,
+    Inspection,
+    Target,
+    TargetStatus,
+    Undo,
+)
 
 EXTENSION = "fused_weight_gradient_mlp_cuda"
 APEX_REAL = "apex real"  # apex's own extension imported: nothing to provide
@@ -91,10 +102,6 @@ def apex_word(st: TargetStatus | None) -> str:
     return "missing"
 
 
-# GEMM_PATCH_APEX=replace for the patch() in progress (precheck and inspect receive no config).
-_replacing: contextvars.ContextVar[bool] = contextvars.ContextVar("gemm_patch_apex_replace", default=False)
-
-
 def _real(obj: object) -> bool:
     return obj is not None and not is_stand_in(obj)
 
@@ -105,15 +112,12 @@ class ApexWgradTarget(Target):
     flag: str
     calls: tuple[str, ...]
 
-    def patch(self, module: types.ModuleType, version: str | None, cfg: Any) -> tuple[TargetStatus, Undo]:
-        token = _replacing.set(cfg.choice(self.switch_variable) == REPLACE)
-        try:
-            return super().patch(module, version, cfg)
-        finally:
-            _replacing.reset(token)
+    def replacing(self, cfg: Config) -> bool:
+        """GEMM_PATCH_APEX=replace: the stand-in goes over a real extension too."""
+        return cfg.choice(self.switch_variable) == REPLACE
 
-    def precheck(self, module: types.ModuleType) -> tuple[str, str] | None:
-        if _replacing.get():
+    def precheck(self, module: types.ModuleType, cfg: Config) -> tuple[str, str] | None:
+        if self.replacing(cfg):
             return None  # a real extension, wherever it sits, is replaced
         ext, where = self.extension, module.__name__
         if _real(vars(module).get(ext)):
@@ -123,7 +127,7 @@ class ApexWgradTarget(Target):
                              "extension is never shadowed (GEMM_PATCH_APEX=replace replaces it)")
         return None
 
-    def inspect(self, module: types.ModuleType) -> Inspection:
+    def inspect(self, module: types.ModuleType, cfg: Config = DEFAULTS) -> Inspection:
         usage = find_apex_usage(module, self.extension, self.flag, self.calls)
         where = module.__name__
         if usage.guarded_import is None or usage.flag_default is None:
@@ -133,7 +137,7 @@ class ApexWgradTarget(Target):
             return Inspection(usage.fingerprint, False,
                               f"{where} calls none of {self.extension}.{{{', '.join(self.calls)}}}")
         functions = f"{self.extension}.{{{', '.join(usage.call_names)}}}"
-        if _replacing.get() and (_real(vars(module).get(self.extension)) or _real(sys.modules.get(self.extension))):
+        if self.replacing(cfg) and (_real(vars(module).get(self.extension)) or _real(sys.modules.get(self.extension))):
             replaced = f"{REPLACED_REAL}: {functions} routed through gemm_patch ({self.switch_variable}={REPLACE})"
             return Inspection(usage.fingerprint, True, replaced, usage)
         provided = f"apex missing: {functions} provided by gemm_patch"
@@ -152,7 +156,7 @@ class ApexWgradTarget(Target):
         word = apex_word(st)
         return {"apex": (word, APEX_WORDS[word])}
 
-    def install(self, module: types.ModuleType, found: Inspection, undo: Undo, cfg: Any) -> str | None:
+    def install(self, module: types.ModuleType, found: Inspection, undo: Undo, cfg: Config) -> str | None:
         undo.set_item(sys.modules, self.extension, STAND_IN)
         undo.set(module, self.extension, STAND_IN)
         undo.set(module, self.flag, True)

@@ -41,7 +41,8 @@ from ..callsite import (
     find_call_site,
     find_calls,
 )
-from ..target import Inspection, MethodTarget, PatchedTwin, Undo
+from ..config import Config
+from ..target import DEFAULTS, Inspection, MethodTarget, PatchedTwin, Undo
 from . import fsdp_rules
 from .fsdp_rules import is_fsdp_param, main_grad_alias, wgrad_accumulates
 
@@ -170,7 +171,7 @@ class CallSiteTarget(MethodTarget):
     def options(self) -> dict[str, bool]:
         return {self.dummy_switch: True} if self.dummies else {}
 
-    def inspect(self, module: types.ModuleType) -> Inspection:
+    def inspect(self, module: types.ModuleType, cfg: Config = DEFAULTS) -> Inspection:
         # "Not applicable" is settled from the source first: on a release without this call,
         # another target's twin of the same method is no reason to skip.
         found = find_call_site(module, self.owner, self.attribute, self.call)
@@ -179,7 +180,7 @@ class CallSiteTarget(MethodTarget):
         check_live_is_source(module, self.owner, self.attribute)
         return Inspection(found.fingerprint, True, self.where, found)
 
-    def install(self, module: types.ModuleType, found: Inspection, undo: Undo, cfg: Any) -> str | None:
+    def install(self, module: types.ModuleType, found: Inspection, undo: Undo, cfg: Config) -> str | None:
         keywords = {"param": "weight"}
         redirects = [Redirect(found.payload.matches, "_gemm_patch_wgrad", self.replacement, keywords)]
         for i, (call, replacement) in enumerate(self.also.items()):
@@ -188,7 +189,7 @@ class CallSiteTarget(MethodTarget):
                 redirects.append(Redirect(matches, f"_gemm_patch_also_{i}", replacement, keywords))
         note = None
         if self.dummies:
-            aliased = cfg is None or cfg.switch_on(self.dummy_switch, True)
+            aliased = cfg.switch_on(self.dummy_switch, True)
             for i, (call, replacement) in enumerate(self.dummies.items() if aliased else ()):
                 matches = find_assigned_calls(found.payload.funcdef, call)
                 if matches:

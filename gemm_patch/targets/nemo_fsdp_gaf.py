@@ -37,7 +37,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .. import detection, patcher, report
+from .. import detection, report
 from ..callsite import (
     AnalysedFunction,
     build_edited_twin,
@@ -46,7 +46,18 @@ from ..callsite import (
     fingerprint,
     parse_method,
 )
-from ..target import COMPATIBLE, NOT_APPLICABLE, VERIFIED, Inspection, MethodTarget, PatchedTwin, Undo
+from ..config import Config
+from ..target import (
+    COMPATIBLE,
+    DEFAULTS,
+    NOT_APPLICABLE,
+    VERIFIED,
+    Inspection,
+    MethodTarget,
+    PatchedTwin,
+    Undo,
+    current_states,
+)
 from . import apex_wgrad, fsdp_wgrad, te_overwrite
 
 TEST = 'getattr(module.config, "gradient_accumulation_fusion", True)'
@@ -74,7 +85,7 @@ def fused_path_ready(states: Mapping[str, str]) -> tuple[bool, str]:
 
 
 def _live_states() -> dict[str, str]:
-    return {t.name: t.state for t in patcher.status().targets}
+    return dict(current_states())
 
 
 _said: set[str] = set()
@@ -122,7 +133,7 @@ def _ask_gemm_patch_too(funcdef: ast.FunctionDef) -> None:
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class NemoFusionTarget(MethodTarget):
-    def inspect(self, module: types.ModuleType) -> Inspection:
+    def inspect(self, module: types.ModuleType, cfg: Config = DEFAULTS) -> Inspection:
         funcdef = parse_method(module, self.owner, self.attribute)
         if funcdef is None or self.live_object(module) is None:
             return Inspection(None, False, f"{module.__name__} has no {self.where}")
@@ -135,7 +146,7 @@ class NemoFusionTarget(MethodTarget):
                                  {CELL: nemo_turns_fusion_off})
         return Inspection(fp, True, f"{self.where}'s Megatron-FSDP fusion switch-off", twin)
 
-    def install(self, module: types.ModuleType, found: Inspection, undo: Undo, cfg: Any) -> str | None:
+    def install(self, module: types.ModuleType, found: Inspection, undo: Undo, cfg: Config) -> str | None:
         self.replace(module, undo, PatchedTwin(self.live_object(module), found.payload))
 
 

@@ -29,15 +29,17 @@ from __future__ import annotations
 
 import ast
 import importlib
+import sys
 import types
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import wrapt
 
 from ..callsite import CallSiteError, check_live_function_is_source, check_live_is_source, fingerprint, parse_method
-from ..target import Inspection, MethodTarget, Target, Undo
+from ..config import Config
+from ..target import DEFAULTS, Inspection, MethodTarget, Target, Undo, in_both_fsdp_packages
 
 FUNCTION = "gradient_reduce_preprocessing"
 PREMUL = "torch.distributed._make_nccl_premul_sum"
@@ -107,11 +109,17 @@ class OneRankScaleTarget(MethodTarget):
     which imports ``buffers_module``, so that it settles with the other Megatron-FSDP targets."""
 
     buffers_module: str
+    # One record per target, whichever install's wrappers run: a buffer recorded before apply()
+    # patched again (a reload of the buffers module) is still scaled.
+    buffers: OneRankBuffers = field(default_factory=lambda: OneRankBuffers(), init=False, repr=False)
 
     def _pgb(self) -> types.ModuleType:
-        return importlib.import_module(self.buffers_module)
+        return sys.modules.get(self.buffers_module) or importlib.import_module(self.buffers_module)
 
-    def inspect(self, module: types.ModuleType) -> Inspection:
+    def home(self, module: types.ModuleType) -> types.ModuleType:
+        return self._pgb()
+
+    def inspect(self, module: types.ModuleType, cfg: Config = DEFAULTS) -> Inspection:
         pgb = self._pgb()
         update_owner = vars(pgb).get(BUFFERS)
         if (not callable(vars(pgb).get(FUNCTION)) or self.live_object(pgb) is None
@@ -128,8 +136,8 @@ class OneRankScaleTarget(MethodTarget):
         check_live_is_source(pgb, BUFFERS, UPDATE)
         return Inspection(found, True, "the reduce of buffers on one-rank groups")
 
-    def install(self, module: types.ModuleType, found: Inspection, undo: Undo, cfg: Any) -> str | None:
-        pgb, buffers = self._pgb(), OneRankBuffers()
+    def install(self, module: types.ModuleType, found: Inspection, undo: Undo, cfg: Config) -> str | None:
+        pgb, buffers = self._pgb(), self.buffers
         self.replace(pgb, undo, wrapt.FunctionWrapper(self.live_object(pgb), buffers.record_after_init))
         for owner, name, wrapper in ((pgb, FUNCTION, buffers.preprocess),
                                      (vars(pgb)[BUFFERS], UPDATE, buffers.scale_before_update)):
@@ -149,19 +157,5 @@ _COMMON = dict(
     attribute="__init__",
 )
 
-TARGET = OneRankScaleTarget(
-    name="fsdp-one-rank-scale",
-    distribution="megatron-core",
-    module="megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp",
-    buffers_module="megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer",
-    **_COMMON,
-)
-
-# The same module shipped on its own (megatron-fsdp, imported as ``megatron_fsdp``).
-STANDALONE = OneRankScaleTarget(
-    name="mfsdp-one-rank-scale",
-    distribution="megatron-fsdp",
-    module="megatron_fsdp.megatron_fsdp",
-    buffers_module="megatron_fsdp.param_and_grad_buffer",
-    **_COMMON,
-)
+TARGET, STANDALONE = in_both_fsdp_packages(OneRankScaleTarget, "fsdp-one-rank-scale", "megatron_fsdp",
+                                           buffers_module="{package}.param_and_grad_buffer", **_COMMON)

@@ -64,7 +64,8 @@ from ..callsite import (
     fingerprint,
     parse_method,
 )
-from ..target import Inspection, MethodTarget, PatchedTwin, Undo
+from ..config import Config
+from ..target import DEFAULTS, Inspection, MethodTarget, PatchedTwin, Undo, in_both_fsdp_packages
 from .fsdp_rules import hooks_end_records, is_fsdp_param, restore_written_flag, without_pending_uses
 
 NESTED = "_grad_acc"
@@ -102,12 +103,16 @@ def _statements(nested: ast.FunctionDef) -> list[ast.If]:
     return [n for n in nested.body if isinstance(n, ast.If) and canonical_dump(n) == template]
 
 
+def _one_nested(funcdef: ast.FunctionDef, name: str) -> ast.FunctionDef:
+    nested = _nested(funcdef, name)
+    if len(nested) != 1:
+        raise CallSiteError(f"{len(nested)} nested `def {name}` in {funcdef.name}")
+    return nested[0]
+
+
 def _site(funcdef: ast.FunctionDef) -> ast.If:
     """The one statement to change, in ``funcdef`` (the method or a copy of it)."""
-    nested = _nested(funcdef)
-    if len(nested) != 1:
-        raise CallSiteError(f"{len(nested)} nested `def {NESTED}` in {funcdef.name}")
-    statements = _statements(nested[0])
+    statements = _statements(_one_nested(funcdef, NESTED))
     if len(statements) != 1:
         raise CallSiteError(f"{len(statements)} `{STATEMENT.splitlines()[0]}` in {NESTED}")
     return statements[0]
@@ -115,11 +120,9 @@ def _site(funcdef: ast.FunctionDef) -> ast.If:
 
 def _arg_site(funcdef: ast.FunctionDef) -> ast.If:
     """The ``if`` that picks which tensor arguments go through the identity Function."""
-    nested = _nested(funcdef, ARG_HOOK)
-    if len(nested) != 1:
-        raise CallSiteError(f"{len(nested)} nested `def {ARG_HOOK}` in {funcdef.name}")
+    hook = _one_nested(funcdef, ARG_HOOK)
     template = canonical_dump(ast.parse(ARG_TEST, mode="eval").body)
-    found = [n for n in ast.walk(nested[0]) if isinstance(n, ast.If) and canonical_dump(n.test) == template]
+    found = [n for n in ast.walk(hook) if isinstance(n, ast.If) and canonical_dump(n.test) == template]
     if len(found) != 1:
         raise CallSiteError(f"{len(found)} `if {ARG_TEST}:` in {ARG_HOOK}")
     return found[0]
@@ -127,11 +130,9 @@ def _arg_site(funcdef: ast.FunctionDef) -> ast.If:
 
 def _pending_site(funcdef: ast.FunctionDef) -> ast.Assign:
     """The ``_is_shared`` filter of the per-module-call post-backward hook (0.14-0.15)."""
-    nested = _nested(funcdef, POST_HOOK)
-    if len(nested) != 1:
-        raise CallSiteError(f"{len(nested)} nested `def {POST_HOOK}` in {funcdef.name}")
+    hook = _one_nested(funcdef, POST_HOOK)
     template = canonical_dump(ast.parse(SHARED_FILTER).body[0])
-    found = [n for n in nested[0].body if isinstance(n, ast.Assign) and canonical_dump(n) == template]
+    found = [n for n in hook.body if isinstance(n, ast.Assign) and canonical_dump(n) == template]
     if len(found) != 1:
         raise CallSiteError(f"{len(found)} `{SHARED_FILTER}` in {POST_HOOK}")
     return found[0]
@@ -189,7 +190,7 @@ class SharedGradTarget(MethodTarget):
             object.__setattr__(self, "param_arg_fingerprints", frozenset(
                 release_data.target(self.name).get("param_arg_fingerprints", ())))
 
-    def inspect(self, module: types.ModuleType) -> Inspection:
+    def inspect(self, module: types.ModuleType, cfg: Config = DEFAULTS) -> Inspection:
         funcdef = parse_method(module, self.owner, self.attribute)
         if funcdef is None or self.live_object(module) is None:
             return Inspection(None, False, f"{module.__name__} has no {self.where}")
@@ -210,7 +211,7 @@ class SharedGradTarget(MethodTarget):
         check_live_is_source(module, self.owner, self.attribute)
         return Inspection(fp, True, f"{self.where}.{NESTED}", AnalysedFunction(module, funcdef, fp, []))
 
-    def install(self, module: types.ModuleType, found: Inspection, undo: Undo, cfg: Any) -> str | None:
+    def install(self, module: types.ModuleType, found: Inspection, undo: Undo, cfg: Config) -> str | None:
         both = found.fingerprint in self.param_arg_fingerprints
         cells = {CELL: add_shared_grad, FLAG_CELL: restore_written_flag, MANAGED_CELL: hooks_end_records,
                  **({ARG_CELL: is_fsdp_param, PENDING_CELL: without_pending_uses} if both else {})}
@@ -227,18 +228,4 @@ _COMMON = dict(
     attribute="_register_fsdp_hooks",
 )
 
-TARGET = SharedGradTarget(
-    name="fsdp-shared-grad",
-    distribution="megatron-core",
-    module="megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp",
-    **_COMMON,
-)
-
-# The same class shipped on its own (PyPI megatron-fsdp, imported as ``megatron_fsdp``), keyed by
-# megatron-fsdp's version; one switch for both.
-STANDALONE = SharedGradTarget(
-    name="mfsdp-shared-grad",
-    distribution="megatron-fsdp",
-    module="megatron_fsdp.megatron_fsdp",
-    **_COMMON,
-)
+TARGET, STANDALONE = in_both_fsdp_packages(SharedGradTarget, "fsdp-shared-grad", "megatron_fsdp", **_COMMON)

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..callsite import CallSiteError, canonical_dump, check_live_function_is_source, fingerprint, parse_module
-from ..target import Inspection, Target, Undo
+from ..config import Config
+from ..target import DEFAULTS, Inspection, Target, Undo
 
 BASE = "transformer_engine.pytorch.module.base"
 CALLERS = ("transformer_engine.pytorch.module.linear", "transformer_engine.pytorch.module.layernorm_linear")
@@ -59,7 +60,7 @@ def _calls(tree: ast.Module) -> list[ast.stmt]:
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class DummyWgradTarget(Target):
-    def inspect(self, module: types.ModuleType) -> Inspection:
+    def inspect(self, module: types.ModuleType, cfg: Config = DEFAULTS) -> Inspection:
         base = sys.modules.get(BASE)
         callers = [sys.modules.get(name) for name in CALLERS]
         if base is None or NAME not in vars(base) or not any(callers):
@@ -74,12 +75,17 @@ class DummyWgradTarget(Target):
                 raise CallSiteError(f"{caller.__name__}.{NAME} is not {BASE}.{NAME} (replaced by someone else)")
             found.append(caller)
             calls += sorted(canonical_dump(s) for s in statements)
-        if not found:
-            return Inspection(None, False, f"no call of {NAME} in {', '.join(CALLERS)}")
+        if not found:  # the function is there, no caller calls it by name: judged by the function alone
+            return Inspection(fingerprint(funcdef), False, f"no call of {NAME} in {', '.join(CALLERS)}")
         where = f"{NAME} in {', '.join(c.__name__.rsplit('.', 1)[1] for c in found)}"
         return Inspection(fingerprint(funcdef, *(ast.Constant(c) for c in calls)), True, where, (base, found))
 
-    def install(self, module: types.ModuleType, found: Inspection, undo: Undo, cfg: Any) -> str | None:
+    def home(self, module: types.ModuleType) -> types.ModuleType:
+        # What it patches is found through sys.modules (TE's base module and its callers), not
+        # through the ``transformer_engine.pytorch`` object whose import triggers it.
+        return sys.modules.get(BASE) or module
+
+    def install(self, module: types.ModuleType, found: Inspection, undo: Undo, cfg: Config) -> str | None:
         base, callers = found.payload
         replacement = per_call_dummy(vars(base)[NAME])
         for caller in callers:

@@ -38,7 +38,8 @@ from typing import Any
 import wrapt
 
 from ..callsite import check_live_is_source, find_statement
-from ..target import Inspection, MethodTarget, Undo
+from ..config import Config
+from ..target import DEFAULTS, Inspection, MethodTarget, Undo, in_both_fsdp_packages
 from .fsdp_rules import main_grad_is_persistent
 
 STATEMENT = "param.overwrite_main_grad = True"
@@ -89,7 +90,7 @@ class PatchedOverwriteFlag(wrapt.FunctionWrapper):
 class OverwriteFlagTarget(MethodTarget):
     statement: str = STATEMENT
 
-    def inspect(self, module: types.ModuleType) -> Inspection:
+    def inspect(self, module: types.ModuleType, cfg: Config = DEFAULTS) -> Inspection:
         found = find_statement(module, self.owner, self.attribute, self.statement)
         if found is None or self.live_object(module) is None:
             return Inspection(None, False, f"{module.__name__} has no {self.where}")
@@ -98,7 +99,7 @@ class OverwriteFlagTarget(MethodTarget):
         check_live_is_source(module, self.owner, self.attribute)
         return Inspection(found.fingerprint, True, self.where, found)
 
-    def install(self, module: types.ModuleType, found: Inspection, undo: Undo, cfg: Any) -> str | None:
+    def install(self, module: types.ModuleType, found: Inspection, undo: Undo, cfg: Config) -> str | None:
         self.replace(module, undo, self.wrapper(self.live_object(module)))
 
     @property
@@ -107,26 +108,10 @@ class OverwriteFlagTarget(MethodTarget):
 
 
 SWITCH = "GEMM_PATCH_TE_OVERWRITE"  # one switch for every place that sets the flag
-MCORE_FSDP = "megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp"
 _UNSHARD = dict(switch=SWITCH, owner="MegatronFSDP", attribute="all_gather_and_wait_parameters_ready")
 
-TARGET = OverwriteFlagTarget(
-    name="fsdp-te-overwrite",
-    distribution="megatron-core",
-    module=MCORE_FSDP,
-    relies_on=f"`{STATEMENT}` method",
-    **_UNSHARD,
-)
-
-# The same class shipped on its own (PyPI megatron-fsdp, imported as ``megatron_fsdp``), keyed by
-# megatron-fsdp's version; one switch for both.
-STANDALONE = OverwriteFlagTarget(
-    name="mfsdp-te-overwrite",
-    distribution="megatron-fsdp",
-    module="megatron_fsdp.megatron_fsdp",
-    relies_on=f"`{STATEMENT}` method",
-    **_UNSHARD,
-)
+TARGET, STANDALONE = in_both_fsdp_packages(OverwriteFlagTarget, "fsdp-te-overwrite", "megatron_fsdp",
+                                           relies_on=f"`{STATEMENT}` method", **_UNSHARD)
 
 
 BY_STRATEGY = ('param.overwrite_main_grad = self.data_parallel_sharding_strategy in '
@@ -137,19 +122,8 @@ _BY_STRATEGY_COMMON = dict(
     **_UNSHARD,
 )
 
-BY_STRATEGY_TARGET = OverwriteFlagTarget(
-    name="fsdp-te-overwrite-by-strategy",
-    distribution="megatron-core",
-    module=MCORE_FSDP,
-    **_BY_STRATEGY_COMMON,
-)
-
-BY_STRATEGY_STANDALONE = OverwriteFlagTarget(
-    name="mfsdp-te-overwrite-by-strategy",
-    distribution="megatron-fsdp",
-    module="megatron_fsdp.megatron_fsdp",
-    **_BY_STRATEGY_COMMON,
-)
+BY_STRATEGY_TARGET, BY_STRATEGY_STANDALONE = in_both_fsdp_packages(
+    OverwriteFlagTarget, "fsdp-te-overwrite-by-strategy", "megatron_fsdp", **_BY_STRATEGY_COMMON)
 
 
 class PatchedExpertFlag(PatchedOverwriteFlag):

@@ -150,6 +150,7 @@ def test_replace_in_process_on_a_layers_module_imported_with_apex(monkeypatch):
         if sys.modules.get(EXT) is fake:
             del sys.modules[EXT]
         monkeypatch.undo()
+        contract.forget(name, keep=old)
         gemm_patch.revert()
         gemm_patch.apply()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
@@ -231,3 +232,32 @@ def test_te_branch_stand_in_accumulates_into_a_persistent_buffer():
                                  grad=True, param=weight)
         expected += grad_output.double().t() @ total_input.double()
     assert ((main_grad.double() - expected).norm() / expected.norm()).item() < 1e-6
+
+
+@needs_call_site
+def test_a_style_only_edit_that_keeps_the_bug_is_unverified(tmp_path):
+    """``weight.main_grad`` bound to a local name before the same call: the same dtype error and
+    overwrite, but no literal match. Unknown code reads unverified with its warning (0.3.0 read
+    it as not applicable, with no warning, and left the bug in place)."""
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from source_modules import load_edited_copy
+
+    from gemm_patch import config, detection
+    from gemm_patch.targets.fsdp_wgrad import CALL, TARGET
+
+    line = next(line for line in inspect.getsource(layers).splitlines(keepends=True) if line.strip() == CALL)
+    indent = line[:len(line) - len(line.lstrip())]
+    through_local = CALL.replace("out=weight.main_grad", "out=main_grad")
+    edited = load_edited_copy(tmp_path, layers, line,
+                              f"{indent}main_grad = weight.main_grad\n{indent}{through_local}\n")
+    try:
+        version = detection.distribution_version("megatron-core")
+        st, undo = TARGET.patch(edited, version, config.Config())
+        assert st.state == "unverified" and "another form" in st.reason, st.reason
+        assert not undo.steps
+        with pytest.raises(Exception, match="GEMM_PATCH_STRICT"):
+            TARGET.patch(edited, version, config.Config(strict=True))
+    finally:
+        sys.modules.pop(edited.__name__, None)

@@ -17,6 +17,7 @@ one-rank bucket itself.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 import os
@@ -248,3 +249,70 @@ def test_revert_puts_back_megatron_functions():
             assert vars(owner)[name] is patched[name].__wrapped__
     finally:
         gemm_patch.apply()
+
+
+@pytest.fixture
+def reloaded_buffers_module():
+    """megatron's buffers module run again (``importlib.reload``) while Megatron-FSDP's main
+    module keeps the ``ParamAndGradBuffer`` class it imported by name; afterwards the module's
+    first contents are put back, and gemm_patch applied as before."""
+    gemm_patch.revert()
+    first = dict(vars(pgb))
+    gemm_patch.apply()
+    try:
+        importlib.reload(pgb)
+        yield
+    finally:
+        gemm_patch.revert()
+        vars(pgb).clear()
+        vars(pgb).update(first)
+        gemm_patch.apply()
+
+
+@needs_patch
+@pytest.mark.parametrize("then", ["apply", "revert and apply"])
+def test_a_reloaded_buffers_module_scales_once_through_the_class_megatron_holds(reloaded_buffers_module, then):
+    """After the reload, megatron builds its buffers from the reloaded module's class and
+    preprocessing (global names there) and updates them through the ParamAndGradBuffer that
+    megatron_fsdp imported before: apply() (what status advises) patches both, so the factor
+    is applied once (0.3.0 unwrapped the held class: the gradient came out 1/factor = 2x)."""
+    if then == "revert and apply":
+        gemm_patch.revert()
+    gemm_patch.apply()
+    assert target_state().state == EXPECT
+    held = vars(importlib.import_module(TARGET.module))["ParamAndGradBuffer"]
+    assert held is not pgb.ParamAndGradBuffer  # the reload made a new class
+    (scaled,) = buffers(factors=(FACTOR,))
+    grads = micro_batch_grads(MICRO_BATCHES)
+    for g in grads:
+        scaled.data.add_(g)
+        pgb.gradient_reduce_preprocessing(scaled.data, FACTOR, ddp_config())
+    held.update_main_grads(types.SimpleNamespace(optimizer_named_parameters=[],
+                                                 parameter_groups=[types.SimpleNamespace(main_grad_buffer=scaled)]))
+    ratio = (scaled.data / (FACTOR * torch.stack(grads).sum(0))).mean().item()
+    assert torch.allclose(scaled.data, FACTOR * torch.stack(grads).sum(0)), f"gradient {ratio:.3f}x the expected"
+
+
+@needs_patch
+def test_premul_sum_through_an_alias_is_unverified(tmp_path):
+    """The same preprocessing with NCCL's PreMulSum reached through a module-level alias: the
+    factor still goes to the collective, but no literal match. Unknown code reads unverified
+    with its warning (0.3.0: not applicable, no warning, the factor lost on one rank)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from source_modules import load_edited_copy
+
+    from gemm_patch import config
+    from gemm_patch.targets.one_rank_scale import PREMUL
+
+    edited = load_edited_copy(tmp_path, pgb, PREMUL, "_premul_sum", append=f"\n_premul_sum = {PREMUL}\n")
+    try:
+        target = dataclasses.replace(TARGET, buffers_module=edited.__name__)
+        st, undo = target.patch(importlib.import_module(TARGET.module),
+                                detection.distribution_version("megatron-core"), config.Config())
+        assert st.state == "unverified" and "another form" in st.reason, st.reason
+        assert not undo.steps
+    finally:
+        sys.modules.pop(edited.__name__, None)

@@ -42,7 +42,7 @@ from ..callsite import (
     find_calls,
 )
 from ..target import Inspection, MethodTarget, PatchedTwin, Undo
-from . import megatron_main
+from . import fsdp_rules, megatron_main
 from .fsdp_rules import is_fsdp_param, main_grad_alias, wgrad_accumulates
 
 LAYERS = "megatron.core.tensor_parallel.layers"
@@ -114,7 +114,7 @@ ZERO_DUMMY = ("torch.zeros(weight.main_grad.shape, dtype=input.dtype, device=tor
 
 def broadcast_zero(param: Any, shape: Any, dtype: Any) -> Any:
     """Zeros of ``shape`` and ``dtype`` on ``param``'s device, one element broadcast (stride 0),
-    for a Megatron-FSDP parameter outside CUDA-graph capture; else None.
+    for a Megatron-FSDP parameter outside CUDA-graph capture and anomaly mode; else None.
 
     The zeros dummy of a ``zero_out_wgrad`` weight is read, never written: autograd sums it with
     the weight's other gradients (the embedding lookup's), adding into the other, dense operand
@@ -125,13 +125,12 @@ def broadcast_zero(param: Any, shape: Any, dtype: Any) -> Any:
     element by element), and nothing persists: TE's ``get_dummy_wgrad(..., zero=True)`` keeps a
     full tensor per shape for the process (1 GiB for a 128256 x 4096 output layer) and zero-fills
     it every backward. A write into the broadcast tensor would raise, not go astray. During
-    capture megatron's own call runs (a graph replays fixed addresses)."""
-    if not is_fsdp_param(param):
+    capture megatron's own call runs (a graph replays fixed addresses), and under anomaly mode,
+    as for the view."""
+    if not is_fsdp_param(param) or fsdp_rules.view_forbidden(param):
         return None
     import torch
 
-    if param.is_cuda and torch.cuda.is_current_stream_capturing():
-        return None
     return torch.zeros((), dtype=dtype, device=param.device).expand(shape)
 
 

@@ -81,7 +81,8 @@ def output_sized_bf16(model) -> list:
 
 @pytest.mark.parametrize("distributed", BUFFERS)
 @pytest.mark.parametrize("tied, mtp", CASES)
-def test_no_output_layer_sized_tensor_outlives_the_step(parallel, shared_on, te_dummy, tied, mtp, distributed):
+def test_no_output_layer_sized_tensor_outlives_the_step(parallel, shared_on, te_dummy, tied, mtp,  # noqa: F811
+                                                        distributed):
     target, module = shared_on
     model, got, ref, _ = train(module, tied=tied, mtp=mtp, distributed=distributed,
                                upstream_failure_skips=not keeps_weight_arguments(target, module))
@@ -95,8 +96,8 @@ def test_no_output_layer_sized_tensor_outlives_the_step(parallel, shared_on, te_
 
 @pytest.mark.parametrize("distributed", BUFFERS)
 @pytest.mark.parametrize("mtp", [pytest.param(False, id="tied"), pytest.param(True, id="tied_mtp")])
-def test_the_gradients_are_bitwise_those_with_megatrons_zeros(parallel, shared_on, te_dummy, mtp, distributed,
-                                                              monkeypatch):
+def test_the_gradients_are_bitwise_those_with_megatrons_zeros(parallel, shared_on, te_dummy, mtp,  # noqa: F811
+                                                              distributed, monkeypatch):
     target, module = shared_on
     kwargs = dict(tied=True, mtp=mtp, distributed=distributed, micro_batches=3,
                   upstream_failure_skips=not keeps_weight_arguments(target, module))
@@ -153,7 +154,7 @@ def memory_of_two_steps(module, *, fusion: bool) -> tuple[int, int]:
     return allocated_during(steps)
 
 
-def test_peak_and_held_memory_are_at_most_fusion_offs(parallel, shared_on, te_dummy, monkeypatch):
+def test_peak_and_held_memory_are_at_most_fusion_offs(parallel, shared_on, te_dummy, monkeypatch):  # noqa: F811
     """The persistent buffer (one data-parallel rank, as on the H200 measurement). A fresh
     bucket (sharded, several ranks) is fetched by the fused write in the output layer's backward
     and lives until the weight's ``_grad_acc`` at the end of the backward, where fusion off

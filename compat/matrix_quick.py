@@ -38,6 +38,7 @@ TEST_TARGETS: dict[str, tuple[str, ...]] = {
     "test_mfsdp_te_overwrite.py": ("mfsdp-te-overwrite",),
     "test_shared_weights.py": ("fsdp-wgrad", "fsdp-shared-grad", "mfsdp-shared-grad"),
     "test_fine_grained_gather.py": ("fsdp-wgrad", "fsdp-shared-grad", "mfsdp-shared-grad"),
+    "test_tied_dummy_memory.py": ("fsdp-wgrad", "fsdp-shared-grad", "mfsdp-shared-grad"),
     "test_one_rank_scale.py": ("fsdp-one-rank-scale",),
     "test_mfsdp_one_rank_scale.py": ("mfsdp-one-rank-scale",),
     "test_apex_wgrad.py": ("apex-wgrad",),

@@ -79,6 +79,10 @@ def output_sized_bf16(model) -> list:
             and o.dtype == torch.bfloat16 and tuple(o.shape) == SHAPE and o.untyped_storage().data_ptr() not in owned]
 
 
+WITH_TE = pytest.mark.parametrize("te_dummy", [pytest.param(True, id="te")], indirect=True)
+
+
+@WITH_TE  # without TE megatron's zeros are a fresh tensor per backward: nothing to hold
 @pytest.mark.parametrize("distributed", BUFFERS)
 @pytest.mark.parametrize("tied, mtp", CASES)
 def test_no_output_layer_sized_tensor_outlives_the_step(parallel, shared_on, te_dummy, tied, mtp,  # noqa: F811
@@ -154,6 +158,7 @@ def memory_of_two_steps(module, *, fusion: bool) -> tuple[int, int]:
     return allocated_during(steps)
 
 
+@WITH_TE
 def test_peak_and_held_memory_are_at_most_fusion_offs(parallel, shared_on, te_dummy, monkeypatch):  # noqa: F811
     """The persistent buffer (one data-parallel rank, as on the H200 measurement). A fresh
     bucket (sharded, several ranks) is fetched by the fused write in the output layer's backward

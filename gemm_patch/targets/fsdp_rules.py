@@ -194,9 +194,10 @@ def without_pending_uses(params: list) -> list:
     (the output layer under multi-token prediction) would reach ``_grad_acc`` and the reduce after
     its first use's backward: sharing its bucket with other parameters, the bucket stays
     unreduced and the second fused write, its flag cleared by ``_grad_acc``, would overwrite the
-    first (0.74-0.98 relative error on the CPU); in a bucket of its own, reduced after the first use, the second
-    write would find a reduced bucket, or a freshly fetched unzeroed one. Autograd accumulates a weight's ``.grad``
-    (megatron's dummy after a fused write) once all its uses have delivered theirs, and ahead of
+    first (0.74-0.98 relative error on the CPU); in a bucket of its own, reduced after the
+    first use, the second write would find a reduced bucket, or a freshly fetched unzeroed one.
+    Autograd accumulates a weight's ``.grad`` (megatron's dummy after a fused write) once all its
+    uses have delivered theirs, and ahead of
     the module's hook, so a fused-written weight whose ``.grad`` is still None has a use to come.
     It is left to a later call of the hook (its last use), or to the root post-backward hook,
     which handles every parameter no module hook took: as 0.16+ and ``_is_shared`` weights do,

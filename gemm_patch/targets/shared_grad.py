@@ -32,9 +32,16 @@ own backward, and each unshard clears ``grad_added_to_main_grad``: the tied weig
 ``_grad_acc`` with the output layer's fused wgrad in main_grad but the flag cleared by the
 embedding's unshard, and upstream's ``main_grad.copy_(param.grad)`` overwrites the fused
 gradient. The call sets the flag again where fsdp-wgrad recorded a fused write of this backward
-(``wgrad_accumulates``), so the statement above adds instead.
+(``wgrad_accumulates``), so the statement above adds instead. And one call first in the method
+itself::
 
-On megatron-core 0.14-0.15 (megatron-fsdp 0.1-0.2) the twin changes a second statement. There a
+    _gemm_patch_hooks_end_records(root_module)   # added: fsdp_rules.hooks_end_records
+
+marks the parameters these hooks handle: only for them may such a record make a fused write
+add (under hooks the twin did not build, nothing ends the record where the gradient is handed
+on).
+
+On megatron-core 0.14-0.15 (megatron-fsdp 0.1-0.2) the twin makes two more edits. There a
 pre-forward hook on every module passes each tensor argument that requires grad through an
 identity autograd Function (``RegisterFSDPBackwardFunction``), so that the module's post-backward
 hook fires. The tied weight, handed to the output layer as ``weight=``, comes out of it as a
@@ -42,9 +49,18 @@ non-leaf tensor without ``__fsdp_param__`` or ``main_grad``, and megatron's fuse
 the first backward (``'NoneType' object has no attribute 'dtype'``), with or without the rest of
 gemm-patch. The nested ``_register_post_backward_hook`` now leaves Megatron-FSDP parameters out of
 that Function: the output layer receives the parameter itself and takes the Megatron-FSDP branch
-its own weight would take; the hook still fires from the module's activations. Only where the
-method's fingerprint is in ``param_arg_fingerprints`` (0.16+ register that hook on FSDP units
-under ``optim_grads_params`` only, where no weight argument is known to pass: left as it is).
+its own weight would take; the hook still fires from the module's activations. And a third:
+that hook runs ``_grad_acc`` and the reduce of the bucket after each call of a module, so a
+weight used twice per backward (the output layer under multi-token prediction) would be handed
+on after its first use, and its second fused write would go into a bucket already reduced, or
+freed and fetched again, or (sharing the bucket with parameters still to come) overwrite the
+first use. After the hook's ``_is_shared`` filter the twin leaves out the weights with a fused write
+of this backward whose ``.grad`` autograd has not accumulated yet (``without_pending_uses``): a
+use is still to come; a later call of the hook, or the root post-backward hook, takes them, so
+``_grad_acc`` and the reduce run once, after every use, as on 0.16+. Only where the method's
+fingerprint is in ``param_arg_fingerprints`` (0.16+ register that hook on FSDP units under
+``optim_grads_params`` only, where no weight argument is known to pass, and run ``_grad_acc``
+from each parameter's post-accumulate-grad hook: left as it is).
 """
 
 from __future__ import annotations

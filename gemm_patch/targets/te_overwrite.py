@@ -79,10 +79,13 @@ class PatchedOverwriteFlag(wrapt.FunctionWrapper):
     def _reset_after(self, wrapped, instance, args, kwargs):
         params, args, kwargs = self._params(args, kwargs)
         result = wrapped(*args, **kwargs)
+        resets = 0
         for param in params:
             if getattr(param, "overwrite_main_grad", False) and main_grad_is_persistent(param):
                 param.overwrite_main_grad = False
-                self._self_resets += 1
+                resets += 1
+        # One update of the wrapper's counter per call: each costs about 1 us through wrapt's proxy.
+        self._self_resets += resets
         return result
 
 

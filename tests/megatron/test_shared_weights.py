@@ -289,18 +289,25 @@ class TiedLM(torch.nn.Module):
     tokens, projected by a layer of its own, ``eh_proj``, whose post-backward hook and bucket
     reduce run between the output layer's two uses; output projection of its hidden states with
     the same weight). ``tied=False``:
-    an output layer with its own weight, used by the main and the MTP head alike."""
+    an output layer with its own weight, used by the main and the MTP head alike.
+    ``checkpoint``: the MTP head under ``torch.utils.checkpoint`` (``reentrant`` or
+    ``non_reentrant``), recomputed in the backward. ``fusion=False``: gradient-accumulation
+    fusion off (every gradient through ``param.grad``), the other oracle."""
 
-    def __init__(self, tied: bool = True, mtp: bool = False):
+    CHECKPOINTS = ("none", "reentrant", "non_reentrant")
+
+    def __init__(self, tied: bool = True, mtp: bool = False, checkpoint: str = "none", fusion: bool = True):
         super().__init__()
         from megatron.core.tensor_parallel import layers
 
-        cfg = megatron_cpu.config(fusion=True)
+        cfg = megatron_cpu.config(fusion=fusion)
         self.embedding = layers.VocabParallelEmbedding(VOCAB, HIDDEN, init_method=torch.nn.init.normal_, config=cfg)
         self.output_layer = layers.ColumnParallelLinear(
             HIDDEN, VOCAB, config=cfg, init_method=torch.nn.init.normal_, bias=False, gather_output=False,
             skip_weight_param_allocation=tied)
-        self.tied, self.mtp = tied, mtp
+        if checkpoint not in self.CHECKPOINTS:
+            raise ValueError(f"checkpoint={checkpoint!r}: one of {self.CHECKPOINTS}")
+        self.tied, self.mtp, self.checkpoint = tied, mtp, checkpoint
         if mtp:
             self.eh_proj = layers.ColumnParallelLinear(
                 HIDDEN, HIDDEN, config=cfg, init_method=torch.nn.init.normal_, bias=False, gather_output=False)
@@ -314,9 +321,18 @@ class TiedLM(torch.nn.Module):
         h = self.embedding(tokens)  # [b, s, h]
         logits = [self.output_layer(h, weight=self.output_weight())[0]]
         if self.mtp:
-            h2 = self.eh_proj(self.embedding(tokens.roll(-1, dims=1)))[0] + 0.5 * h
-            logits.append(self.output_layer(h2, weight=self.output_weight())[0])
+            shifted = tokens.roll(-1, dims=1)
+            if self.checkpoint == "none":
+                logits.append(self.mtp_head(h, shifted))
+            else:
+                from torch.utils.checkpoint import checkpoint
+
+                logits.append(checkpoint(self.mtp_head, h, shifted, use_reentrant=self.checkpoint == "reentrant"))
         return logits
+
+    def mtp_head(self, h, shifted):
+        h2 = self.eh_proj(self.embedding(shifted))[0] + 0.5 * h
+        return self.output_layer(h2, weight=self.output_weight())[0]
 
 
 def reference(model: TiedLM, tokens_list, grads_list) -> dict[str, torch.Tensor]:
@@ -347,11 +363,11 @@ MICRO_BATCHES = 2
 
 
 def train(module_fsdp, *, tied: bool, mtp: bool, distributed: bool, micro_batches: int = MICRO_BATCHES, seed: int = 0,
-          upstream_failure_skips: bool = True, **wrap_kwargs):
+          upstream_failure_skips: bool = True, checkpoint: str = "none", fusion: bool = True, **wrap_kwargs):
     """Forward/backward ``micro_batches`` times through MegatronFSDP's hooks; returns the
     model, each parameter's reduced gradient and the fp64 reference. ``wrap_kwargs``: ``wrap``'s."""
     torch.manual_seed(seed)
-    model = TiedLM(tied, mtp)
+    model = TiedLM(tied, mtp, checkpoint, fusion)
     obj = wrap(module_fsdp, model, distributed, **wrap_kwargs)
     gen = torch.Generator().manual_seed(seed + 1)
     tokens_list, grads_list = [], []
@@ -435,7 +451,9 @@ def test_under_upstream_hooks_a_write_never_adds_into_another_bucket(parallel, s
     nothing there, the write overwrites as megatron's does, and one WARNING line says so. On
     0.16+ the hooks run after every use and megatron's flag survives between them: no warning."""
     target, module = shared_off
-    assert next(s for s in gemm_patch.status().targets if s.name == "fsdp-wgrad").state in PATCHED
+    # fsdp-wgrad, or fsdp-wgrad-gemm on Megatron-LM main: whichever form the release has.
+    assert any(s.state in PATCHED for s in gemm_patch.status().targets if s.name.startswith("fsdp-wgrad")), \
+        gemm_patch.status().targets
     monkeypatch.setattr(fsdp_rules, "_warned", set())
     log = logging.getLogger("gemm_patch")  # its own handler, propagate off: caplog's is added to it
     log.addHandler(caplog.handler)

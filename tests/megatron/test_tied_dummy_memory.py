@@ -39,7 +39,7 @@ from test_shared_weights import (  # noqa: F401  (fixtures: fsdp, parallel, shar
 
 from gemm_patch.targets import fsdp_wgrad
 
-pytestmark = [pytest.mark.proves("fsdp-wgrad"),
+pytestmark = [pytest.mark.proves("fsdp-wgrad", "fsdp-shared-grad", "mfsdp-shared-grad"),
               pytest.mark.skipif(not APPLICABLE, reason="release has no such call site"), needs_code]
 
 TE_VERSION = "2.20.2"
@@ -81,9 +81,14 @@ def output_sized_bf16(model) -> list:
             and o.dtype == torch.bfloat16 and tuple(o.shape) == SHAPE and o.untyped_storage().data_ptr() not in owned]
 
 
+WITH_TE = pytest.mark.parametrize("te_dummy", [pytest.param(True, id="te")], indirect=True)
+
+
+@WITH_TE  # without TE megatron's zeros are a fresh tensor per backward: nothing to hold
 @pytest.mark.parametrize("distributed", BUFFERS)
 @pytest.mark.parametrize("tied, mtp", CASES)
-def test_no_output_layer_sized_tensor_outlives_the_step(parallel, shared_on, te_dummy, tied, mtp, distributed):  # noqa: F811
+def test_no_output_layer_sized_tensor_outlives_the_step(parallel, shared_on, te_dummy, tied, mtp,  # noqa: F811
+                                                        distributed):
     target, module = shared_on
     model, got, ref, _ = train(module, tied=tied, mtp=mtp, distributed=distributed,
                                upstream_failure_skips=not keeps_weight_arguments(target, module))
@@ -97,8 +102,8 @@ def test_no_output_layer_sized_tensor_outlives_the_step(parallel, shared_on, te_
 
 @pytest.mark.parametrize("distributed", BUFFERS)
 @pytest.mark.parametrize("mtp", [pytest.param(False, id="tied"), pytest.param(True, id="tied_mtp")])
-def test_the_gradients_are_bitwise_those_with_megatrons_zeros(parallel, shared_on, te_dummy, mtp, distributed,
-                                                              monkeypatch):
+def test_the_gradients_are_bitwise_those_with_megatrons_zeros(parallel, shared_on, te_dummy, mtp,  # noqa: F811
+                                                              distributed, monkeypatch):
     target, module = shared_on
     kwargs = dict(tied=True, mtp=mtp, distributed=distributed, micro_batches=3,
                   upstream_failure_skips=not keeps_weight_arguments(target, module))
@@ -155,7 +160,8 @@ def memory_of_two_steps(module, *, fusion: bool) -> tuple[int, int]:
     return allocated_during(steps)
 
 
-def test_peak_and_held_memory_are_at_most_fusion_offs(parallel, shared_on, te_dummy, monkeypatch):
+@WITH_TE
+def test_peak_and_held_memory_are_at_most_fusion_offs(parallel, shared_on, te_dummy, monkeypatch):  # noqa: F811
     """The persistent buffer (one data-parallel rank, as on the H200 measurement). A fresh
     bucket (sharded, several ranks) is fetched by the fused write in the output layer's backward
     and lives until the weight's ``_grad_acc`` at the end of the backward, where fusion off

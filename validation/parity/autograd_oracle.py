@@ -203,6 +203,26 @@ def local_name(name: str) -> str:
     return name
 
 
+def with_torch_norms(model, tconfig) -> None:
+    """Swap each of TE's LayerNorm modules in ``model`` for torch's, same weights and epsilon:
+    with TE installed megatron-core 0.17-0.19 build the block's final norm from TE even under the
+    local layer spec, and TE has no float64 kernels (``KeyError: torch.float64`` in its
+    layer_norm op)."""
+    import torch
+
+    assert not tconfig.layernorm_zero_centered_gamma, "torch's LayerNorm has no zero-centred gamma"
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child).__name__ == "LayerNorm" and type(child).__module__.startswith("transformer_engine"):
+                weight = child.weight
+                norm = torch.nn.LayerNorm(weight.shape[0], eps=tconfig.layernorm_epsilon, device=weight.device,
+                                          dtype=weight.dtype)
+                with torch.no_grad():
+                    norm.weight.copy_(weight)
+                    norm.bias.copy_(child.bias)
+                setattr(parent, name, norm)
+
+
 def dense_gradients(run: dict[str, Any], weights: dict[str, Any], dtype, device: str, dp: int = 1):
     """Step 1's gradient ({name as in ``weights``: tensor of ``dtype``}) and the micro-batch losses
     of the run's dense model built with the local layer spec in ``dtype``, every parameter loaded
@@ -216,6 +236,7 @@ def dense_gradients(run: dict[str, Any], weights: dict[str, Any], dtype, device:
     local_run = {**run, "fusion": "off", "spec": "local"}
     tconfig = dataclasses.replace(build_configs(local_run)[0], bf16=False, params_dtype=dtype, pipeline_dtype=dtype)
     gpt = build_gpt(local_run, tconfig).to(device=device, dtype=dtype)
+    with_torch_norms(gpt, tconfig)
     own = dict(gpt.named_parameters())
     source = {local_name(n): n for n in weights}
     if set(source) != set(own) or any(own[n].shape != weights[source[n]].shape for n in own):

@@ -49,6 +49,16 @@ import time
 from typing import Any
 
 
+def record_step1(result: dict[str, Any], run: dict[str, Any], grads: dict[str, Any], per_rank: list[float],
+                 losses: list[float], t0: float) -> None:
+    """An oracle's step-1 record: the loss as the training runs log it (mean over micro-batches,
+    then over ranks), the micro-batch losses, the dump's path and norms, the seconds it took."""
+    result.update(step1_loss=sum(per_rank) / len(per_rank), micro_batch_losses=losses,
+                  grad_dump={"path": run["grad_dump"], "params": len(grads),
+                             "norms": {n: float(g.norm()) for n, g in grads.items()}},
+                  seconds=time.perf_counter() - t0)
+
+
 def seeded_model(run: dict[str, Any], device: str):
     """(TransformerConfig, GPTModel) of the run with fusion off, built right after the seeding the
     training runs do, so its weights are their initial weights."""
@@ -160,10 +170,7 @@ def run_oracle(run: dict[str, Any], device: str | None = None) -> dict[str, Any]
                     "grads": grads}, run["grad_dump"])
         # Step 1's loss as the training runs log it: mean over micro-batches, then over ranks.
         per_rank = [sum(losses[r * m:(r + 1) * m]) / m for r in range(dp)]
-        result.update(step1_loss=sum(per_rank) / dp, micro_batch_losses=losses,
-                      grad_dump={"path": run["grad_dump"], "params": len(grads),
-                                 "norms": {n: float(g.norm()) for n, g in grads.items()}},
-                      seconds=time.perf_counter() - t0)
+        record_step1(result, run, grads, per_rank, losses, t0)
         del model, gpt, params, acc, grads
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -290,10 +297,7 @@ def run_fp64_oracle(run: dict[str, Any], device: str | None = None) -> dict[str,
                     "grads": grads}, run["grad_dump"])
         m = int(run["micro_batches"])
         per_rank = [sum(losses[r * m:(r + 1) * m]) / m for r in range(dp)]
-        result.update(step1_loss=sum(per_rank) / dp, micro_batch_losses=losses,
-                      grad_dump={"path": run["grad_dump"], "params": len(grads),
-                                 "norms": {n: float(g.norm()) for n, g in grads.items()}},
-                      seconds=time.perf_counter() - t0)
+        record_step1(result, run, grads, per_rank, losses, t0)
         del weights, grads
         if device == "cuda":
             torch.cuda.empty_cache()

@@ -108,10 +108,12 @@ def cells(plan: str) -> list[tuple[str, bool, str]]:
     return out
 
 
-def schedule(plan_cells: list[tuple[str, bool, str]], rounds: int) -> list[tuple[int, tuple[str, bool, str]]]:
-    """(round, cell) in run order: round r runs the cells turned by r - 1."""
+def schedule(plan_cells: list[tuple[str, bool, str]], rounds: int,
+             first: int = 1) -> list[tuple[int, tuple[str, bool, str]]]:
+    """(round, cell) in run order: round r runs the cells turned by r - 1, so rounds added later to a
+    records file (``first`` > 1) keep turning the order where the earlier ones stopped."""
     n = len(plan_cells)
-    return [(r, plan_cells[(i + r - 1) % n]) for r in range(1, rounds + 1) for i in range(n)]
+    return [(r, plan_cells[(i + r - 1) % n]) for r in range(first, first + rounds) for i in range(n)]
 
 
 def pretrain_args(release: str, size: dict[str, int], tied: bool, iters: int) -> list[str]:
@@ -280,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="JSONL file the records are appended to")
     p.add_argument("--plan", default="core", help="cells or named plans, comma-separated (default: core)")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--first-round", type=int, default=1,
+                   help="number of the first round (to add rounds to an existing records file)")
     p.add_argument("--size", choices=tuple(SIZES), default="hidden4096")
     p.add_argument("--iters", type=int, help="training iterations per process (default: 30 at hidden 4096, "
                    "100 at hidden 2048); a multiple of 5, the log interval")
@@ -305,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     if iters % LOG_INTERVAL:
         p.error(f"--iters {iters}: must be a multiple of {LOG_INTERVAL} (megatron requires "
                 "--log-memory-interval to be a multiple of --log-interval)")
-    runs = schedule(cells(a.plan), a.rounds)
+    runs = schedule(cells(a.plan), a.rounds, a.first_round)
     if not a.dry and not a.out:
         p.error("--out is required (or --dry)")
     logs = a.logs or (a.out.parent / "logs" if a.out else Path("logs"))

@@ -30,6 +30,9 @@ def test_the_full_plan_is_the_issue_set_and_the_order_turns_each_round():
     two = bench.cells("core")
     assert [cell[2] for _, cell in bench.schedule(two, 3)] == ["fusion_off", "patched", "patched", "fusion_off",
                                                                "fusion_off", "patched"]
+    later = bench.schedule(two, 2, first=4)
+    assert [(r, cell[2]) for r, cell in later] == [(4, "patched"), (4, "fusion_off"), (5, "fusion_off"),
+                                                   (5, "patched")]
     with pytest.raises(SystemExit, match="matches no cell"):
         bench.cells("0.19.2:tied:no_such_config")
 

@@ -43,6 +43,7 @@ from ``--upstream`` (default validation/convergence/_upstream, one folder per re
 from __future__ import annotations
 
 import argparse
+import datetime
 import fnmatch
 import json
 import os
@@ -247,9 +248,18 @@ def compare_runs(a: argparse.Namespace, size: dict[str, int], iters: int, logs: 
     return worst
 
 
+PAIR_WINDOW_S = 900.0
+
+
+def finished_s(record: dict[str, Any]) -> float:
+    return datetime.datetime.fromisoformat(record["finished"].replace("Z", "+00:00")).timestamp()
+
+
 def summary(records: list[dict[str, Any]]) -> str:
     """One line per (size, release, tied, config): median step time over rounds, against fusion
-    off of the same model, and memory against fusion off's."""
+    off of the same model (the ratio of the medians, and the median of the ratios within a round:
+    the machine drifts between sessions by more than a fix costs, so a pair is a round's two
+    processes finished within PAIR_WINDOW_S of each other), and memory against fusion off's."""
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for r in records:
         if r["rc"] == 0 and r["step_ms"] is not None:
@@ -261,12 +271,15 @@ def summary(records: list[dict[str, Any]]) -> str:
         ms = statistics.median(r["step_ms"] for r in rs)
         off = groups.get((*key[:3], "fusion_off"))
         ratio = f"{ms / statistics.median(r['step_ms'] for r in off):.3f}" if off else "-"
+        paired = [r["step_ms"] / o["step_ms"] for r in rs for o in off or []
+                  if o["round"] == r["round"] and abs(finished_s(o) - finished_s(r)) <= PAIR_WINDOW_S]
+        same_round = f"{statistics.median(paired):.3f} ({len(paired)})" if paired else "-"
         alloc, peak = (max(r[k] for r in rs) for k in ("allocated_gib", "max_allocated_gib"))
         d_alloc = f"{alloc - max(r['allocated_gib'] for r in off):+.3f}" if off else "-"
         d_peak = f"{peak - max(r['max_allocated_gib'] for r in off):+.3f}" if off else "-"
         each = " / ".join(f"{r['step_ms']:.1f}" for r in rs)
         lines.append(f"{key[0]} | {key[1]} | {'tied' if key[2] else 'untied'} | {key[3]} | {len(rs)} | {ms:.1f} "
-                     f"({each}) | {ratio} | {alloc:.3f} | {peak:.3f} | {d_alloc} | {d_peak}")
+                     f"({each}) | {ratio} | {same_round} | {alloc:.3f} | {peak:.3f} | {d_alloc} | {d_peak}")
     failed = [r for r in records if r["rc"] != 0 or r["step_ms"] is None]
     lines += [f"FAILED {r['release']} {'tied' if r['tied'] else 'untied'} {r['config']} round {r['round']}: "
               f"rc={r['rc']} {r['error']}" for r in failed]

@@ -94,7 +94,8 @@ def test_each_process_appends_its_record(upstream, monkeypatch, capsys):
     assert seen[2]["argv"][-1] == "--untie-embeddings-and-output-weights"
     assert seen[3]["argv"][seen[3]["argv"].index("--vocab-size") + 1] == "128255"
     table = capsys.readouterr().out
-    assert "4096 | 0.19.2 | tied | patched | 1 | 296.5 (296.5) | 0.983 | 1.294 | 1.643 | +0.979 | +0.979" in table
+    assert ("4096 | 0.19.2 | tied | patched | 1 | 296.5 (296.5) | 0.983 | 0.983 (1) | 1.294 | 1.643 | +0.979 | "
+            "+0.979") in table
 
 
 def test_a_failed_process_is_recorded_with_its_error(upstream, monkeypatch, capsys):
@@ -131,3 +132,17 @@ def test_compare_runs_gemm_patch_compare_on_pretrain_gpt(upstream, capsys):
     assert record["runs"]["off"]["command"][-1] == "--no-gradient-accumulation-fusion"
     text = (upstream / "out" / "compare_hidden4096_0.19.2_tied.txt").read_text()
     assert "verdict: same" in text and "verdict: same" in capsys.readouterr().out
+
+
+def test_summary_pairs_a_round_only_within_one_session():
+    def rec(config: str, rnd: int, ms: float, finished: str) -> dict:
+        return {"hidden": 4096, "release": "0.19.2", "tied": True, "config": config, "round": rnd, "rc": 0,
+                "step_ms": ms, "allocated_gib": 22.0, "max_allocated_gib": 27.0, "error": None,
+                "finished": finished}
+    records = [rec("fusion_off", 1, 400.0, "2026-12-02T03:00:00Z"), rec("patched", 1, 380.0, "2026-12-02T03:01:00Z"),
+               rec("fusion_off", 2, 300.0, "2026-12-02T03:02:00Z"),
+               rec("patched", 2, 294.0, "2026-12-02T09:00:00Z")]  # round 2's pair: hours apart, another session
+    line = next(x for x in bench.summary(records).splitlines() if "| patched |" in x)
+    cols = [c.strip() for c in line.split("|")]
+    assert cols[6] == f"{337.0 / 350.0:.3f}"  # the ratio of the medians
+    assert cols[7] == "0.950 (1)"  # round 1 only

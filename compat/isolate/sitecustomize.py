@@ -17,8 +17,16 @@ PYTHONPATH put there: site-packages (and what its .pth files add) hold none of t
 process, entries added at run time (a test's ``sys.path.insert``, the script's folder) are
 searched as usual. Everything else is imported as before. A ``sitecustomize`` further down
 sys.path, which this one shadows, is run afterwards.
+
+And ``torch.compile`` applied to a function compiles it at the function's first call instead of
+at once. megatron decorates its fused kernels with it at import (``jit_fuser``), and the
+decoration alone imports torch's dynamo and inductor: about 3 CPU-seconds of every test
+process that imports megatron, for kernels few CPU tests call. A called kernel is compiled
+with the same arguments as before; modules, classes and everything else go to torch.compile
+as they are.
 """
 
+import functools
 import os
 import sys
 
@@ -57,15 +65,47 @@ def _normalized(name):
     return "".join(out)
 
 
+def _compile_at_first_call(compile_now):
+    @functools.wraps(compile_now)
+    def compile(model=None, **options):
+        if model is None:  # @torch.compile(**options)
+            return lambda fn: compile(fn, **options)
+        if not callable(model) or isinstance(model, type) or hasattr(model, "parameters"):
+            return compile_now(model, **options)
+        compiled = None
+
+        @functools.wraps(model)
+        def compiled_at_first_call(*args, **kwargs):
+            nonlocal compiled
+            if compiled is None:
+                compiled = compile_now(model, **options)
+            return compiled(*args, **kwargs)
+        return compiled_at_first_call
+    return compile
+
+
+def _then_compile_lazily(loader):
+    exec_module = loader.exec_module
+
+    def exec_torch(module):
+        exec_module(module)
+        module.compile = _compile_at_first_call(module.compile)
+    loader.exec_module = exec_torch  # this spec's own loader object: no other import sees it
+
+
 class MegatronFromPythonPath(PathFinder):
     """PathFinder, with megatron's names looked up only where PYTHONPATH or the running
-    program put them (also when a namespace package's path is recomputed)."""
+    program put them (also when a namespace package's path is recomputed), and torch's
+    ``compile`` made lazy for functions once torch is imported."""
 
     @classmethod
     def _get_spec(cls, fullname, path, target=None):
         if fullname in _NAMES:
             path = _visible(path)
-        return super()._get_spec(fullname, path, target)
+        spec = super()._get_spec(fullname, path, target)
+        if fullname == "torch" and spec is not None and hasattr(spec.loader, "exec_module"):
+            _then_compile_lazily(spec.loader)
+        return spec
 
     @classmethod
     def find_distributions(cls, *args, **kwargs):

@@ -258,7 +258,7 @@ def finished_s(record: dict[str, Any]) -> float:
 def summary(records: list[dict[str, Any]]) -> str:
     """One line per (size, release, tied, config): median step time over rounds, against fusion
     off of the same model (the ratio of the medians, and the median of the ratios within a round:
-    the machine drifts between sessions by more than a fix costs, so a pair is a round's two
+    the machine drifts over hours by more than a fix costs, so a pair is a round's two
     processes finished within PAIR_WINDOW_S of each other), and memory against fusion off's."""
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for r in records:

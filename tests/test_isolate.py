@@ -11,9 +11,7 @@ from process_env import ISOLATE, ROOT
 
 CODE = r"""
 import json, sys, torch
-calls = []
 def double_plus_one(x):
-    calls.append(1)
     return x * 2 + 1
 lazy = torch.compile(double_plus_one, backend="eager")
 decorated = torch.compile(backend="eager")(double_plus_one)

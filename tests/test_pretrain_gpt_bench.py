@@ -134,14 +134,14 @@ def test_compare_runs_gemm_patch_compare_on_pretrain_gpt(upstream, capsys):
     assert "verdict: same" in text and "verdict: same" in capsys.readouterr().out
 
 
-def test_summary_pairs_a_round_only_within_one_session():
+def test_summary_pairs_a_round_only_within_its_time_window():
     def rec(config: str, rnd: int, ms: float, finished: str) -> dict:
         return {"hidden": 4096, "release": "0.19.2", "tied": True, "config": config, "round": rnd, "rc": 0,
                 "step_ms": ms, "allocated_gib": 22.0, "max_allocated_gib": 27.0, "error": None,
                 "finished": finished}
     records = [rec("fusion_off", 1, 400.0, "2026-12-02T03:00:00Z"), rec("patched", 1, 380.0, "2026-12-02T03:01:00Z"),
                rec("fusion_off", 2, 300.0, "2026-12-02T03:02:00Z"),
-               rec("patched", 2, 294.0, "2026-12-02T09:00:00Z")]  # round 2's pair: hours apart, another session
+               rec("patched", 2, 294.0, "2026-12-02T09:00:00Z")]  # round 2's pair: hours apart
     line = next(x for x in bench.summary(records).splitlines() if "| patched |" in x)
     cols = [c.strip() for c in line.split("|")]
     assert cols[6] == f"{337.0 / 350.0:.3f}"  # the ratio of the medians

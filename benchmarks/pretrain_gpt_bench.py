@@ -4,7 +4,8 @@
 gemm-patch's fixes switched off alone, bf16 main grads; one process at a time on one GPU.
 
     python benchmarks/pretrain_gpt_bench.py --out OUT/pretrain_gpt.jsonl [--plan core,untied] [--rounds 3]
-        [--size hidden4096|hidden2048] [--iters N] [--upstream DIR] [--kit /tmp/gp] [--dry]
+        [--size hidden4096|hidden2048] [--iters N] [--manual-gc N] [--profile START:END]
+        [--upstream DIR] [--kit /tmp/gp] [--dry]
     python benchmarks/pretrain_gpt_bench.py --summary OUT/pretrain_gpt.jsonl     # the table, from records
     python benchmarks/pretrain_gpt_bench.py --compare --out OUT/x --plan core --iters 10 [--kit /tmp/gp]
         # gemm-patch compare on pretrain_gpt.py per (release, tied) of the plan
@@ -19,6 +20,14 @@ the vocabulary minus one on 0.17.x, which adds the end-of-document id, and the v
 and the next logged one (``report_memory_flag`` in training.py's ``training_log``) and, with
 ``--log-memory-interval N``, every N iterations: the runs pass N = ``--iters``, so the last report
 is after the last iteration (allocated: what lives between steps; max allocated: the peak).
+``--manual-gc N`` passes megatron's ``--manual-gc --manual-gc-interval N`` (Python's collector off,
+a collection every N iterations, as Megatron-Bridge's recipes set with N = 100): a host-bound step
+then no longer carries the collector's pauses, which come at no fixed iteration.
+``--profile START:END`` runs megatron's own PyTorch profiler over iterations START to END - 1
+(``--profile --use-pytorch-profiler --pytorch-profiler-collect-callstack``) and adds to the record,
+as ``profile``, what benchmarks/profile_trace.py reads from the trace: per step the host's wall
+time, the GPU's busy time, kernel time by kind, and the time in gemm_patch's own Python frames.
+Those are sums of durations, which the host's drift does not move (``--keep-traces`` keeps the trace).
 
 Configurations (``config`` in the records): ``fusion_off`` (``--no-gradient-accumulation-fusion``,
 ``GEMM_PATCH=0``: megatron alone), ``patched`` (fusion on under ``gemm-patch run``), ``bf16_grads``
@@ -59,6 +68,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "validation" / "convergence"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import profile_trace  # noqa: E402
 from parse_logs import ERROR_RE, _first_cause  # noqa: E402  (the convergence runs' error line)
 
 from gemm_patch.compare import parse_log  # noqa: E402
@@ -117,7 +128,8 @@ def schedule(plan_cells: list[tuple[str, bool, str]], rounds: int,
     return [(r, plan_cells[(i + r - 1) % n]) for r in range(first, first + rounds) for i in range(n)]
 
 
-def pretrain_args(release: str, size: dict[str, int], tied: bool, iters: int) -> list[str]:
+def pretrain_args(release: str, size: dict[str, int], tied: bool, iters: int,
+                  manual_gc: int | None = None) -> list[str]:
     vocab = size["vocab"] - 1 if release.startswith(("0.15.", "0.16.", "0.17.")) else size["vocab"]
     args = [
         "--num-layers", size["layers"], "--hidden-size", size["hidden"], "--num-attention-heads", size["heads"],
@@ -133,18 +145,31 @@ def pretrain_args(release: str, size: dict[str, int], tied: bool, iters: int) ->
         "--log-interval", LOG_INTERVAL, "--log-memory-interval", iters,
         "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1", "--seed", "1234",
     ]
+    if manual_gc is not None:
+        args += ["--manual-gc", "--manual-gc-interval", manual_gc]
     if not tied:
         args.append("--untie-embeddings-and-output-weights")
     return [str(a) for a in args]
 
 
-def process(cell: tuple[str, bool, str], size: dict[str, int], iters: int, opts: argparse.Namespace
-            ) -> tuple[list[str], dict[str, str], Path]:
+def profile_args(steps: str | None, folder: Path) -> list[str]:
+    """megatron's PyTorch profiler over iterations START..END-1; it writes
+    FOLDER/torch_profile/rank-0.json.gz (the parent of its --tensorboard-dir)."""
+    if not steps:
+        return []
+    start, end = steps.split(":")
+    return ["--profile", "--use-pytorch-profiler", "--pytorch-profiler-collect-callstack",
+            "--profile-step-start", start, "--profile-step-end", end, "--tensorboard-dir", str(folder / "tb")]
+
+
+def process(cell: tuple[str, bool, str], size: dict[str, int], iters: int, opts: argparse.Namespace,
+            profile_dir: Path | None = None) -> tuple[list[str], dict[str, str], Path]:
     """The command, the environment variables it sets, and its working directory."""
     release, tied, config = cell
     launcher = shlex.split(opts.launcher.format(python=opts.python))
     command = [opts.python, "-m", "gemm_patch", "run", "--", *launcher, "pretrain_gpt.py",
-               *pretrain_args(release, size, tied, iters), *CONFIGS[config]["args"]]
+               *pretrain_args(release, size, tied, iters, opts.manual_gc), *CONFIGS[config]["args"],
+               *profile_args(opts.profile, profile_dir or Path("profile"))]
     return command, dict(CONFIGS[config]["env"]), Path(opts.upstream) / release
 
 
@@ -185,8 +210,15 @@ def run_one(command: list[str], env: dict[str, str], cwd: Path, log_path: Path, 
 
 
 def record(cell: tuple[str, bool, str], rnd: int, size_name: str, iters: int, command: list[str],
-           env: dict[str, str], rc: int, seconds: float, log_path: Path) -> dict[str, Any]:
+           env: dict[str, str], rc: int, seconds: float, log_path: Path,
+           manual_gc: int | None = None, trace: Path | None = None) -> dict[str, Any]:
     release, tied, config = cell
+    profile = None
+    if trace is not None:
+        try:
+            profile = profile_trace.analyse(profile_trace.load(trace))
+        except (OSError, ValueError, KeyError) as e:
+            profile = {"error": f"{trace}: {e}"}
     size = SIZES[size_name]
     text = log_path.read_text(errors="replace")
     log = parse_log(text)
@@ -209,6 +241,7 @@ def record(cell: tuple[str, bool, str], rnd: int, size_name: str, iters: int, co
         "reserved_gib": round(mem.reserved_mb / GIB, 4) if mem else None,
         "memory_after": mem.after if mem else None,
         "iterations": max((it.iteration for it in log.iterations), default=0), "train_iters": iters,
+        "manual_gc_interval": manual_gc, "profile": profile,
         "rc": rc, "error": error, "seconds": seconds, "env": env,
         "command": " ".join([*(f"{k}={v}" for k, v in env.items()), shlex.join(command)]),
         "gemm_patch_lines": log.gemm_patch_lines, "log": str(log_path),
@@ -226,7 +259,7 @@ def compare_runs(a: argparse.Namespace, size: dict[str, int], iters: int, logs: 
         launcher = shlex.split(a.launcher.format(python=a.python))
         command = [a.python, "-m", "gemm_patch", "compare", "--iters", str(iters), "--logs", str(logs / name),
                    "--json", str(logs.parent / f"{name}.json"), "--", *launcher, "pretrain_gpt.py",
-                   *pretrain_args(release, size, tied, iters), "--log-interval", "1"]
+                   *pretrain_args(release, size, tied, iters, a.manual_gc), "--log-interval", "1"]
         cwd = Path(a.upstream) / release
         print(f"# {name}\ncd {shlex.quote(str(cwd))} && {shlex.join(command)}", flush=True)
         if a.dry:
@@ -263,23 +296,28 @@ def summary(records: list[dict[str, Any]]) -> str:
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for r in records:
         if r["rc"] == 0 and r["step_ms"] is not None:
-            groups.setdefault((r["hidden"], r["release"], r["tied"], r["config"]), []).append(r)
+            groups.setdefault((r["hidden"], r["release"], r["tied"], r["config"], r.get("manual_gc_interval")),
+                              []).append(r)
     lines = ["hidden | release | tied | config | rounds | step ms (median; each round) | vs fusion off | "
-             "allocated GiB | max allocated GiB | allocated - fusion off | max allocated - fusion off"]
-    for key in sorted(groups, key=lambda k: (k[0], k[1], not k[2], list(CONFIGS).index(k[3]))):
+             "same round (pairs: range) | allocated GiB | max allocated GiB | allocated - fusion off | "
+             "max allocated - fusion off | gc"]
+    for key in sorted(groups, key=lambda k: (k[0], k[1], not k[2], -1 if k[4] is None else k[4],
+                                              list(CONFIGS).index(k[3]))):
         rs = sorted(groups[key], key=lambda r: r["round"])
         ms = statistics.median(r["step_ms"] for r in rs)
-        off = groups.get((*key[:3], "fusion_off"))
+        off = groups.get((*key[:3], "fusion_off", key[4]))
         ratio = f"{ms / statistics.median(r['step_ms'] for r in off):.3f}" if off else "-"
         paired = [r["step_ms"] / o["step_ms"] for r in rs for o in off or []
                   if o["round"] == r["round"] and abs(finished_s(o) - finished_s(r)) <= PAIR_WINDOW_S]
-        same_round = f"{statistics.median(paired):.3f} ({len(paired)})" if paired else "-"
+        spread = f": {min(paired):.3f}-{max(paired):.3f}" if len(paired) > 1 else ""
+        same_round = f"{statistics.median(paired):.3f} ({len(paired)}{spread})" if paired else "-"
         alloc, peak = (max(r[k] for r in rs) for k in ("allocated_gib", "max_allocated_gib"))
         d_alloc = f"{alloc - max(r['allocated_gib'] for r in off):+.3f}" if off else "-"
         d_peak = f"{peak - max(r['max_allocated_gib'] for r in off):+.3f}" if off else "-"
         each = " / ".join(f"{r['step_ms']:.1f}" for r in rs)
         lines.append(f"{key[0]} | {key[1]} | {'tied' if key[2] else 'untied'} | {key[3]} | {len(rs)} | {ms:.1f} "
-                     f"({each}) | {ratio} | {same_round} | {alloc:.3f} | {peak:.3f} | {d_alloc} | {d_peak}")
+                     f"({each}) | {ratio} | {same_round} | {alloc:.3f} | {peak:.3f} | {d_alloc} | {d_peak} | "
+                     + ("auto" if key[4] is None else f"manual, every {key[4]}"))
     failed = [r for r in records if r["rc"] != 0 or r["step_ms"] is None]
     lines += [f"FAILED {r['release']} {'tied' if r['tied'] else 'untied'} {r['config']} round {r['round']}: "
               f"rc={r['rc']} {r['error']}" for r in failed]
@@ -300,6 +338,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", choices=tuple(SIZES), default="hidden4096")
     p.add_argument("--iters", type=int, help="training iterations per process (default: 30 at hidden 4096, "
                    "100 at hidden 2048); a multiple of 5, the log interval")
+    p.add_argument("--manual-gc", type=int, metavar="N", help="megatron's --manual-gc --manual-gc-interval N "
+                   "(default: Python's automatic collector, megatron's default)")
+    p.add_argument("--profile", metavar="START:END", help="megatron's PyTorch profiler over iterations "
+                   "START..END-1; the record gets benchmarks/profile_trace.py's reading of the trace")
+    p.add_argument("--keep-traces", action="store_true", help="keep the profiler's traces (tens of MB each)")
     p.add_argument("--upstream", default=str(ROOT / "validation" / "convergence" / "_upstream"),
                    help="folder with one RELEASE/ folder holding pretrain_gpt.py and its neighbours")
     p.add_argument("--kit", default=None, help="the GPU kit's folder (/tmp/gp on the H200): KIT/mcXYZ, KIT/site")
@@ -322,6 +365,9 @@ def main(argv: list[str] | None = None) -> int:
     if iters % LOG_INTERVAL:
         p.error(f"--iters {iters}: must be a multiple of {LOG_INTERVAL} (megatron requires "
                 "--log-memory-interval to be a multiple of --log-interval)")
+    if a.profile and not (len(a.profile.split(":")) == 2 and all(x.isdigit() for x in a.profile.split(":"))
+                          and 1 < int(a.profile.split(":")[0]) < int(a.profile.split(":")[1]) <= iters):
+        p.error(f"--profile {a.profile}: expected START:END, whole numbers with 1 < START < END <= --iters ({iters})")
     runs = schedule(cells(a.plan), a.rounds, a.first_round)
     if not a.dry and not a.out:
         p.error("--out is required (or --dry)")
@@ -331,8 +377,9 @@ def main(argv: list[str] | None = None) -> int:
     t0, done = time.monotonic(), []
     for rnd, cell in runs:
         release, tied, config = cell
-        command, config_env, cwd = process(cell, size, iters, a)
         name = f"{a.size}_{release}_{'tied' if tied else 'untied'}_{config}_r{rnd}"
+        profile_dir = logs.resolve() / f"{name}_profile"  # the command runs in the release's folder
+        command, config_env, cwd = process(cell, size, iters, a, profile_dir)
         shown = " ".join([f"cd {shlex.quote(str(cwd))} &&", *(f"{k}={v}" for k, v in config_env.items()),
                           shlex.join(command)])
         if a.dry:
@@ -349,7 +396,11 @@ def main(argv: list[str] | None = None) -> int:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         rc, seconds = run_one(command, environment(release, a.kit, config_env), cwd, logs / f"{name}.log",
                               a.proc_limit)
-        rec = record(cell, rnd, a.size, iters, command, config_env, rc, seconds, logs / f"{name}.log")
+        trace = profile_dir / "torch_profile" / "rank-0.json.gz" if a.profile else None
+        rec = record(cell, rnd, a.size, iters, command, config_env, rc, seconds, logs / f"{name}.log", a.manual_gc,
+                     trace)
+        if trace is not None and not a.keep_traces:
+            trace.unlink(missing_ok=True)
         with open(a.out, "a") as f:
             f.write(json.dumps(rec) + "\n")
             f.flush()

@@ -146,3 +146,25 @@ def test_summary_pairs_a_round_only_within_its_time_window():
     cols = [c.strip() for c in line.split("|")]
     assert cols[6] == f"{337.0 / 350.0:.3f}"  # the ratio of the medians
     assert cols[7] == "0.950 (1)"  # round 1 only
+
+
+def test_manual_gc_is_passed_recorded_and_kept_apart_in_the_summary(upstream, capsys):
+    assert bench.main(["--dry", "--size", "hidden2048", "--plan", "core", "--rounds", "1", "--manual-gc", "100"]) == 0
+    dry = capsys.readouterr().out
+    assert "--seed 1234 --manual-gc --manual-gc-interval 100 --no-gradient-accumulation-fusion" in dry
+    code, records = run_bench(upstream, "core", "--manual-gc", "100")
+    assert code == 0 and [r["manual_gc_interval"] for r in records] == [100, 100]
+    argv = [json.loads(line)["argv"] for line in (upstream / "argv.jsonl").read_text().splitlines()]
+    assert all(a[a.index("--manual-gc") + 1:a.index("--manual-gc") + 3] == ["--manual-gc-interval", "100"]
+               for a in argv)
+
+    def rec(config: str, rnd: int, ms: float, gc: int | None) -> dict:
+        return {"hidden": 2048, "release": "0.19.2", "tied": True, "config": config, "round": rnd, "rc": 0,
+                "step_ms": ms, "allocated_gib": 3.5, "max_allocated_gib": 4.8, "error": None,
+                "finished": f"2026-12-02T03:0{rnd}:00Z", "manual_gc_interval": gc}
+    lines = bench.summary([rec("fusion_off", 1, 200.0, None), rec("patched", 1, 150.0, None),
+                           rec("fusion_off", 1, 100.0, 100), rec("patched", 1, 99.0, 100),
+                           rec("fusion_off", 2, 100.0, 100), rec("patched", 2, 101.0, 100)]).splitlines()
+    auto, manual = ([c.strip() for c in x.split("|")] for x in lines if "| patched |" in x)
+    assert auto[7] == "0.750 (1)" and auto[-1] == "auto"
+    assert manual[6] == "1.000" and manual[7] == "1.000 (2: 0.990-1.010)" and manual[-1] == "manual, every 100"

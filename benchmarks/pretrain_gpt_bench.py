@@ -4,7 +4,7 @@
 gemm-patch's fixes switched off alone, bf16 main grads; one process at a time on one GPU.
 
     python benchmarks/pretrain_gpt_bench.py --out OUT/pretrain_gpt.jsonl [--plan core,untied] [--rounds 3]
-        [--size hidden4096|hidden2048] [--iters N] [--manual-gc N] [--profile START:END]
+        [--size hidden4096|hidden2048] [--iters N] [--manual-gc N] [--cpus LIST] [--profile START:END]
         [--upstream DIR] [--kit /tmp/gp] [--dry]
     python benchmarks/pretrain_gpt_bench.py --summary OUT/pretrain_gpt.jsonl     # the table, from records
     python benchmarks/pretrain_gpt_bench.py --compare --out OUT/x --plan core --iters 10 [--kit /tmp/gp]
@@ -22,7 +22,8 @@ and the next logged one (``report_memory_flag`` in training.py's ``training_log`
 is after the last iteration (allocated: what lives between steps; max allocated: the peak).
 ``--manual-gc N`` passes megatron's ``--manual-gc --manual-gc-interval N`` (Python's collector off,
 a collection every N iterations, as Megatron-Bridge's recipes set with N = 100): a host-bound step
-then no longer carries the collector's pauses, which come at no fixed iteration.
+then no longer carries the collector's pauses, which come at no fixed iteration. ``--cpus LIST``
+starts each process under ``taskset -c LIST`` (its threads and workers on those cores only).
 ``--profile START:END`` runs megatron's own PyTorch profiler over iterations START to END - 1
 (``--profile --use-pytorch-profiler --pytorch-profiler-collect-callstack``) and adds to the record,
 as ``profile``, what benchmarks/profile_trace.py reads from the trace: per step the host's wall
@@ -167,7 +168,8 @@ def process(cell: tuple[str, bool, str], size: dict[str, int], iters: int, opts:
     """The command, the environment variables it sets, and its working directory."""
     release, tied, config = cell
     launcher = shlex.split(opts.launcher.format(python=opts.python))
-    command = [opts.python, "-m", "gemm_patch", "run", "--", *launcher, "pretrain_gpt.py",
+    pin = ["taskset", "-c", opts.cpus] if opts.cpus else []
+    command = [*pin, opts.python, "-m", "gemm_patch", "run", "--", *launcher, "pretrain_gpt.py",
                *pretrain_args(release, size, tied, iters, opts.manual_gc), *CONFIGS[config]["args"],
                *profile_args(opts.profile, profile_dir or Path("profile"))]
     return command, dict(CONFIGS[config]["env"]), Path(opts.upstream) / release
@@ -211,7 +213,7 @@ def run_one(command: list[str], env: dict[str, str], cwd: Path, log_path: Path, 
 
 def record(cell: tuple[str, bool, str], rnd: int, size_name: str, iters: int, command: list[str],
            env: dict[str, str], rc: int, seconds: float, log_path: Path,
-           manual_gc: int | None = None, trace: Path | None = None) -> dict[str, Any]:
+           manual_gc: int | None = None, trace: Path | None = None, cpus: str | None = None) -> dict[str, Any]:
     release, tied, config = cell
     profile = None
     if trace is not None:
@@ -241,7 +243,7 @@ def record(cell: tuple[str, bool, str], rnd: int, size_name: str, iters: int, co
         "reserved_gib": round(mem.reserved_mb / GIB, 4) if mem else None,
         "memory_after": mem.after if mem else None,
         "iterations": max((it.iteration for it in log.iterations), default=0), "train_iters": iters,
-        "manual_gc_interval": manual_gc, "profile": profile,
+        "manual_gc_interval": manual_gc, "cpus": cpus, "profile": profile,
         "rc": rc, "error": error, "seconds": seconds, "env": env,
         "command": " ".join([*(f"{k}={v}" for k, v in env.items()), shlex.join(command)]),
         "gemm_patch_lines": log.gemm_patch_lines, "log": str(log_path),
@@ -288,6 +290,16 @@ def finished_s(record: dict[str, Any]) -> float:
     return datetime.datetime.fromisoformat(record["finished"].replace("Z", "+00:00")).timestamp()
 
 
+DEFAULT_SETTING = "gc auto"
+
+
+def setting(record: dict[str, Any]) -> str:
+    """What else the process ran under: runs under different settings are never compared."""
+    gc = record.get("manual_gc_interval")
+    cpus = record.get("cpus")
+    return ("gc auto" if gc is None else f"gc every {gc}") + (f", cpus {cpus}" if cpus else "")
+
+
 def summary(records: list[dict[str, Any]]) -> str:
     """One line per (size, release, tied, config): median step time over rounds, against fusion
     off of the same model (the ratio of the medians, and the median of the ratios within a round:
@@ -296,12 +308,11 @@ def summary(records: list[dict[str, Any]]) -> str:
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for r in records:
         if r["rc"] == 0 and r["step_ms"] is not None:
-            groups.setdefault((r["hidden"], r["release"], r["tied"], r["config"], r.get("manual_gc_interval")),
-                              []).append(r)
+            groups.setdefault((r["hidden"], r["release"], r["tied"], r["config"], setting(r)), []).append(r)
     lines = ["hidden | release | tied | config | rounds | step ms (median; each round) | vs fusion off | "
              "same round (pairs: range) | allocated GiB | max allocated GiB | allocated - fusion off | "
-             "max allocated - fusion off | gc"]
-    for key in sorted(groups, key=lambda k: (k[0], k[1], not k[2], -1 if k[4] is None else k[4],
+             "max allocated - fusion off | setting"]
+    for key in sorted(groups, key=lambda k: (k[0], k[1], not k[2], k[4] != DEFAULT_SETTING, k[4],
                                               list(CONFIGS).index(k[3]))):
         rs = sorted(groups[key], key=lambda r: r["round"])
         ms = statistics.median(r["step_ms"] for r in rs)
@@ -317,7 +328,7 @@ def summary(records: list[dict[str, Any]]) -> str:
         each = " / ".join(f"{r['step_ms']:.1f}" for r in rs)
         lines.append(f"{key[0]} | {key[1]} | {'tied' if key[2] else 'untied'} | {key[3]} | {len(rs)} | {ms:.1f} "
                      f"({each}) | {ratio} | {same_round} | {alloc:.3f} | {peak:.3f} | {d_alloc} | {d_peak} | "
-                     + ("auto" if key[4] is None else f"manual, every {key[4]}"))
+                     + key[4])
     failed = [r for r in records if r["rc"] != 0 or r["step_ms"] is None]
     lines += [f"FAILED {r['release']} {'tied' if r['tied'] else 'untied'} {r['config']} round {r['round']}: "
               f"rc={r['rc']} {r['error']}" for r in failed]
@@ -325,7 +336,19 @@ def summary(records: list[dict[str, Any]]) -> str:
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    """The records of a JSONL file this runner wrote (none if it does not exist yet)."""
+    if not path.exists():
+        return []
+    records = []
+    for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"{path}: line {n} is not a JSON record ({e.msg}): expected the JSONL records "
+                             "this runner writes with --out") from None
+    return records
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -340,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
                    "100 at hidden 2048); a multiple of 5, the log interval")
     p.add_argument("--manual-gc", type=int, metavar="N", help="megatron's --manual-gc --manual-gc-interval N "
                    "(default: Python's automatic collector, megatron's default)")
+    p.add_argument("--cpus", metavar="LIST", help="run each process under taskset -c LIST (e.g. 0-7)")
     p.add_argument("--profile", metavar="START:END", help="megatron's PyTorch profiler over iterations "
                    "START..END-1; the record gets benchmarks/profile_trace.py's reading of the trace")
     p.add_argument("--keep-traces", action="store_true", help="keep the profiler's traces (tens of MB each)")
@@ -398,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
                               a.proc_limit)
         trace = profile_dir / "torch_profile" / "rank-0.json.gz" if a.profile else None
         rec = record(cell, rnd, a.size, iters, command, config_env, rc, seconds, logs / f"{name}.log", a.manual_gc,
-                     trace)
+                     trace, a.cpus)
         if trace is not None and not a.keep_traces:
             trace.unlink(missing_ok=True)
         with open(a.out, "a") as f:

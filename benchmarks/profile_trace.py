@@ -5,7 +5,8 @@ time (the union of kernel, memcpy and memset intervals), kernel time by kind (GE
 attention, the rest) and the kernels that took longest, and the host time spent in gemm_patch's own
 Python frames (recorded only with ``with_stack=True``; megatron's
 ``--pytorch-profiler-collect-callstack``): self time (the frame less everything it called) and the
-outermost frames' whole time (with the work they hand on, the GEMM launch included).
+outermost frames' whole time (with the work they hand on, the GEMM launch included), and the
+self time by gemm_patch module (which fix or layer spends it).
 
 These are sums of durations, so they do not move with the host's drift the way a step's wall time
 does: two configurations' kernel times can be compared at a few tenths of a percent where their
@@ -46,6 +47,12 @@ def load(path: Path) -> list[dict[str, Any]]:
 
 def kind(name: str) -> str:
     return next((k for k, pattern in KINDS if pattern.search(name)), "other")
+
+
+def module_of(frame: str) -> str:
+    """'.../gemm_patch/targets/shared_grad.py(41)' -> 'targets/shared_grad.py': which fix or layer."""
+    path = frame.replace("\\", "/").rsplit("(", 1)[0]
+    return path[path.rindex("gemm_patch/") + len("gemm_patch/"):]
 
 
 def union_us(intervals: list[tuple[float, float]]) -> float:
@@ -111,8 +118,12 @@ def analyse(events: list[dict[str, Any]]) -> dict[str, Any]:
             per_kernel[e["name"]][1] += 1
         else:
             kinds[e["cat"]] += e["dur"]
-    own_self = sum(t for e, t in self_times(events)
-                   if e.get("cat") == "python_function" and OWN_FRAME.search(e["name"]))
+    own_by_module: dict[str, float] = defaultdict(float)
+    for e, t in self_times(events):
+        match = OWN_FRAME.search(e["name"]) if e.get("cat") == "python_function" else None
+        if match:
+            own_by_module[module_of(match.group(0))] += t
+    own_self = sum(own_by_module.values())
     own_whole, own_calls = outermost_own_us(events)
     ms = 1e-3 / n
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]
@@ -129,6 +140,8 @@ def analyse(events: list[dict[str, Any]]) -> dict[str, Any]:
         "gemm_patch_self_ms": round(own_self * ms, 3),
         "gemm_patch_outermost_ms": round(own_whole * ms, 3),
         "gemm_patch_calls_per_step": round(own_calls / n, 1),
+        "gemm_patch_self_ms_by_module": {m: round(t * ms, 3) for m, t in
+                                         sorted(own_by_module.items(), key=lambda kv: -kv[1])},
     }
 
 
@@ -144,6 +157,9 @@ def table(results: dict[str, dict[str, Any]]) -> str:
               for label, key in (("gemm_patch self ms", "gemm_patch_self_ms"),
                                  ("gemm_patch outermost ms", "gemm_patch_outermost_ms"),
                                  ("gemm_patch calls", "gemm_patch_calls_per_step"))]
+    modules = sorted({m for r in results.values() for m in r.get("gemm_patch_self_ms_by_module", {})})
+    lines += [f"  self ms in {m} | " + " | ".join(str(results[n]["gemm_patch_self_ms_by_module"].get(m, 0.0))
+                                               for n in names) for m in modules]
     return "\n".join(lines)
 
 

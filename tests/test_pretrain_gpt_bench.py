@@ -148,10 +148,12 @@ def test_summary_pairs_a_round_only_within_its_time_window():
     assert cols[7] == "0.950 (1)"  # round 1 only
 
 
-def test_manual_gc_is_passed_recorded_and_kept_apart_in_the_summary(upstream, capsys):
+def test_manual_gc_and_cpus_are_passed_recorded_and_kept_apart_in_the_summary(upstream, capsys):
     assert bench.main(["--dry", "--size", "hidden2048", "--plan", "core", "--rounds", "1", "--manual-gc", "100"]) == 0
     dry = capsys.readouterr().out
     assert "--seed 1234 --manual-gc --manual-gc-interval 100 --no-gradient-accumulation-fusion" in dry
+    assert bench.main(["--dry", "--plan", "core", "--rounds", "1", "--cpus", "0-7"]) == 0
+    assert "&& GEMM_PATCH=0 taskset -c 0-7 python3 -m gemm_patch run -- " in capsys.readouterr().out
     code, records = run_bench(upstream, "core", "--manual-gc", "100")
     assert code == 0 and [r["manual_gc_interval"] for r in records] == [100, 100]
     argv = [json.loads(line)["argv"] for line in (upstream / "argv.jsonl").read_text().splitlines()]
@@ -166,5 +168,12 @@ def test_manual_gc_is_passed_recorded_and_kept_apart_in_the_summary(upstream, ca
                            rec("fusion_off", 1, 100.0, 100), rec("patched", 1, 99.0, 100),
                            rec("fusion_off", 2, 100.0, 100), rec("patched", 2, 101.0, 100)]).splitlines()
     auto, manual = ([c.strip() for c in x.split("|")] for x in lines if "| patched |" in x)
-    assert auto[7] == "0.750 (1)" and auto[-1] == "auto"
-    assert manual[6] == "1.000" and manual[7] == "1.000 (2: 0.990-1.010)" and manual[-1] == "manual, every 100"
+    assert auto[7] == "0.750 (1)" and auto[-1] == "gc auto"
+    assert manual[6] == "1.000" and manual[7] == "1.000 (2: 0.990-1.010)" and manual[-1] == "gc every 100"
+
+
+def test_summary_of_a_file_that_is_not_records_says_so(tmp_path):
+    table = tmp_path / "table.txt"
+    table.write_text("hidden | release | tied\n")
+    with pytest.raises(SystemExit, match="line 1 is not a JSON record"):
+        bench.main(["--summary", str(table)])

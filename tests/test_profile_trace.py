@@ -39,6 +39,7 @@ def test_busy_time_kinds_and_own_frames_per_step():
     assert r["by_kind_ms"] == {"gemm": 0.05, "nccl": 0.05, "other": 0.03, "gpu_memset": 0.02}
     assert r["gemm_patch_self_ms"] == (20 + 10 + 40) / 2 / 1000  # the twin less the nested gemm frame
     assert r["gemm_patch_outermost_ms"] == (50 + 50) / 2 / 1000 and r["gemm_patch_calls_per_step"] == 1.0
+    assert r["gemm_patch_self_ms_by_module"] == {"dispatcher.py": 0.03, "targets/fsdp_wgrad.py": 0.005}
     with pytest.raises(ValueError, match="no ProfilerStep"):
         profile_trace.analyse([e for e in events if e["cat"] != "user_annotation"])
 
@@ -61,6 +62,7 @@ def test_a_real_cpu_trace_of_the_dispatcher(tmp_path):
     r = profile_trace.analyse(profile_trace.load(trace))
     assert r["steps"] == 2 and r["python_frames"] and r["kernel_ms"] == 0.0
     assert r["gemm_patch_calls_per_step"] == 4.0
+    assert set(r["gemm_patch_self_ms_by_module"]) <= {"dispatcher.py", "backends.py"}
     assert 0 < r["gemm_patch_self_ms"] < r["gemm_patch_outermost_ms"] <= r["host_step_ms"]
     assert profile_trace.main([str(trace)]) == 0
 

@@ -69,7 +69,6 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "validation" / "convergence"))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 import profile_trace  # noqa: E402
 from parse_logs import ERROR_RE, _first_cause  # noqa: E402  (the convergence runs' error line)
 
@@ -153,25 +152,33 @@ def pretrain_args(release: str, size: dict[str, int], tied: bool, iters: int,
     return [str(a) for a in args]
 
 
-def profile_args(steps: str | None, folder: Path) -> list[str]:
+def step_range(text: str) -> tuple[int, int]:
+    """--profile's START:END."""
+    parts = text.split(":")
+    if len(parts) != 2 or not all(x.isdigit() for x in parts) or not 1 < int(parts[0]) < int(parts[1]):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected START:END, whole numbers with 1 < START < END")
+    return int(parts[0]), int(parts[1])
+
+
+def profile_args(steps: tuple[int, int] | None, folder: Path) -> list[str]:
     """megatron's PyTorch profiler over iterations START..END-1; it writes
     FOLDER/torch_profile/rank-0.json.gz (the parent of its --tensorboard-dir)."""
     if not steps:
         return []
-    start, end = steps.split(":")
     return ["--profile", "--use-pytorch-profiler", "--pytorch-profiler-collect-callstack",
-            "--profile-step-start", start, "--profile-step-end", end, "--tensorboard-dir", str(folder / "tb")]
+            "--profile-step-start", str(steps[0]), "--profile-step-end", str(steps[1]),
+            "--tensorboard-dir", str(folder / "tb")]
 
 
 def process(cell: tuple[str, bool, str], size: dict[str, int], iters: int, opts: argparse.Namespace,
-            profile_dir: Path | None = None) -> tuple[list[str], dict[str, str], Path]:
+            profile_dir: Path) -> tuple[list[str], dict[str, str], Path]:
     """The command, the environment variables it sets, and its working directory."""
     release, tied, config = cell
     launcher = shlex.split(opts.launcher.format(python=opts.python))
     pin = ["taskset", "-c", opts.cpus] if opts.cpus else []
     command = [*pin, opts.python, "-m", "gemm_patch", "run", "--", *launcher, "pretrain_gpt.py",
                *pretrain_args(release, size, tied, iters, opts.manual_gc), *CONFIGS[config]["args"],
-               *profile_args(opts.profile, profile_dir or Path("profile"))]
+               *profile_args(opts.profile, profile_dir)]
     return command, dict(CONFIGS[config]["env"]), Path(opts.upstream) / release
 
 
@@ -297,7 +304,7 @@ def setting(record: dict[str, Any]) -> str:
     """What else the process ran under: runs under different settings are never compared."""
     gc = record.get("manual_gc_interval")
     cpus = record.get("cpus")
-    return ("gc auto" if gc is None else f"gc every {gc}") + (f", cpus {cpus}" if cpus else "")
+    return (DEFAULT_SETTING if gc is None else f"gc every {gc}") + (f", cpus {cpus}" if cpus else "")
 
 
 def summary(records: list[dict[str, Any]]) -> str:
@@ -364,8 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--manual-gc", type=int, metavar="N", help="megatron's --manual-gc --manual-gc-interval N "
                    "(default: Python's automatic collector, megatron's default)")
     p.add_argument("--cpus", metavar="LIST", help="run each process under taskset -c LIST (e.g. 0-7)")
-    p.add_argument("--profile", metavar="START:END", help="megatron's PyTorch profiler over iterations "
-                   "START..END-1; the record gets benchmarks/profile_trace.py's reading of the trace")
+    p.add_argument("--profile", type=step_range, metavar="START:END", help="megatron's PyTorch profiler over "
+                   "iterations START..END-1; the record gets benchmarks/profile_trace.py's reading of the trace")
     p.add_argument("--keep-traces", action="store_true", help="keep the profiler's traces (tens of MB each)")
     p.add_argument("--upstream", default=str(ROOT / "validation" / "convergence" / "_upstream"),
                    help="folder with one RELEASE/ folder holding pretrain_gpt.py and its neighbours")
@@ -389,9 +396,8 @@ def main(argv: list[str] | None = None) -> int:
     if iters % LOG_INTERVAL:
         p.error(f"--iters {iters}: must be a multiple of {LOG_INTERVAL} (megatron requires "
                 "--log-memory-interval to be a multiple of --log-interval)")
-    if a.profile and not (len(a.profile.split(":")) == 2 and all(x.isdigit() for x in a.profile.split(":"))
-                          and 1 < int(a.profile.split(":")[0]) < int(a.profile.split(":")[1]) <= iters):
-        p.error(f"--profile {a.profile}: expected START:END, whole numbers with 1 < START < END <= --iters ({iters})")
+    if a.profile and a.profile[1] > iters:
+        p.error(f"--profile {a.profile[0]}:{a.profile[1]}: END must be at most --iters ({iters})")
     runs = schedule(cells(a.plan), a.rounds, a.first_round)
     if not a.dry and not a.out:
         p.error("--out is required (or --dry)")

@@ -23,6 +23,7 @@ import json
 import re
 import sys
 from collections import defaultdict
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -64,15 +65,18 @@ def union_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def per_thread(events: Iterable[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """The events of each thread, in start order, an enclosing range before what it encloses."""
+    threads: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
+    for e in events:
+        threads[(e.get("pid"), e.get("tid"))].append(e)
+    return [sorted(thread, key=lambda e: (e["ts"], -e["dur"])) for thread in threads.values()]
+
+
 def self_times(events: list[dict[str, Any]]) -> list[tuple[dict[str, Any], float]]:
     """(event, its duration less its direct children's) for host events, nesting per thread."""
     out: list[tuple[dict[str, Any], float]] = []
-    by_thread: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
-    for e in events:
-        if not str(e.get("cat", "")).startswith(("gpu_", "kernel")):
-            by_thread[(e.get("pid"), e.get("tid"))].append(e)
-    for thread in by_thread.values():
-        thread.sort(key=lambda e: (e["ts"], -e["dur"]))
+    for thread in per_thread(e for e in events if not str(e.get("cat", "")).startswith(("gpu_", "kernel"))):
         stack: list[list] = []  # [event, end, children's time]
         for e in thread:
             while stack and e["ts"] >= stack[-1][1]:
@@ -88,13 +92,9 @@ def self_times(events: list[dict[str, Any]]) -> list[tuple[dict[str, Any], float
 def outermost_own_us(events: list[dict[str, Any]]) -> tuple[float, int]:
     """Whole time of gemm_patch frames not inside another gemm_patch frame, and how many."""
     total, count = 0.0, 0
-    by_thread: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
-    for e in events:
-        if e.get("cat") == "python_function" and OWN_FRAME.search(e["name"]):
-            by_thread[(e.get("pid"), e.get("tid"))].append(e)
-    for thread in by_thread.values():
+    for thread in per_thread(e for e in events if e.get("cat") == "python_function" and OWN_FRAME.search(e["name"])):
         end = float("-inf")
-        for e in sorted(thread, key=lambda e: (e["ts"], -e["dur"])):
+        for e in thread:
             if e["ts"] >= end:
                 total, count, end = total + e["dur"], count + 1, e["ts"] + e["dur"]
     return total, count

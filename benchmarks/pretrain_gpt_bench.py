@@ -203,6 +203,18 @@ def prepare_kit(release: str, kit: str | None) -> None:
             (datasets / "Makefile").write_text("default:\n\t@true\n")
 
 
+def gpu_name() -> str | None:
+    """The GPU's name as nvidia-smi gives it (``NVIDIA H200``): runs on different cards are never
+    compared. None where nvidia-smi is missing or fails."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    names = sorted({line.strip() for line in out.splitlines() if line.strip()})
+    return " + ".join(names) or None
+
+
 def run_one(command: list[str], env: dict[str, str], cwd: Path, log_path: Path, limit: float) -> tuple[int, float]:
     t0 = time.monotonic()
     with open(log_path, "w") as log:
@@ -220,7 +232,8 @@ def run_one(command: list[str], env: dict[str, str], cwd: Path, log_path: Path, 
 
 def record(cell: tuple[str, bool, str], rnd: int, size_name: str, iters: int, command: list[str],
            env: dict[str, str], rc: int, seconds: float, log_path: Path,
-           manual_gc: int | None = None, trace: Path | None = None, cpus: str | None = None) -> dict[str, Any]:
+           manual_gc: int | None = None, trace: Path | None = None, cpus: str | None = None,
+           device: str | None = None) -> dict[str, Any]:
     release, tied, config = cell
     profile = None
     if trace is not None:
@@ -250,7 +263,7 @@ def record(cell: tuple[str, bool, str], rnd: int, size_name: str, iters: int, co
         "reserved_gib": round(mem.reserved_mb / GIB, 4) if mem else None,
         "memory_after": mem.after if mem else None,
         "iterations": max((it.iteration for it in log.iterations), default=0), "train_iters": iters,
-        "manual_gc_interval": manual_gc, "cpus": cpus, "profile": profile,
+        "manual_gc_interval": manual_gc, "cpus": cpus, "device": device, "profile": profile,
         "rc": rc, "error": error, "seconds": seconds, "env": env,
         "command": " ".join([*(f"{k}={v}" for k, v in env.items()), shlex.join(command)]),
         "gemm_patch_lines": log.gemm_patch_lines, "log": str(log_path),
@@ -301,10 +314,11 @@ DEFAULT_SETTING = "gc auto"
 
 
 def setting(record: dict[str, Any]) -> str:
-    """What else the process ran under: runs under different settings are never compared."""
-    gc = record.get("manual_gc_interval")
-    cpus = record.get("cpus")
-    return (DEFAULT_SETTING if gc is None else f"gc every {gc}") + (f", cpus {cpus}" if cpus else "")
+    """What else the process ran under, the GPU among it: runs under different settings are never
+    compared."""
+    gc, cpus, device = (record.get(k) for k in ("manual_gc_interval", "cpus", "device"))
+    return ((DEFAULT_SETTING if gc is None else f"gc every {gc}") + (f", cpus {cpus}" if cpus else "")
+            + (f", {device}" if device else ""))
 
 
 def summary(records: list[dict[str, Any]]) -> str:
@@ -405,6 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.compare:
         return compare_runs(a, size, iters, logs)
     t0, done = time.monotonic(), []
+    device = None if a.dry else gpu_name()
     for rnd, cell in runs:
         release, tied, config = cell
         name = f"{a.size}_{release}_{'tied' if tied else 'untied'}_{config}_r{rnd}"
@@ -428,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
                               a.proc_limit)
         trace = profile_dir / "torch_profile" / "rank-0.json.gz" if a.profile else None
         rec = record(cell, rnd, a.size, iters, command, config_env, rc, seconds, logs / f"{name}.log", a.manual_gc,
-                     trace, a.cpus)
+                     trace, a.cpus, device)
         if trace is not None and not a.keep_traces:
             trace.unlink(missing_ok=True)
         with open(a.out, "a") as f:

@@ -6,6 +6,7 @@ installed."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -177,3 +178,25 @@ def test_summary_of_a_file_that_is_not_records_says_so(tmp_path):
     table.write_text("hidden | release | tied\n")
     with pytest.raises(SystemExit, match="line 1 is not a JSON record"):
         bench.main(["--summary", str(table)])
+
+
+def test_the_gpu_is_recorded_and_runs_on_different_gpus_are_summarised_apart(tmp_path, monkeypatch):
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.parent.mkdir()
+    smi.write_text("#!/bin/sh\necho 'NVIDIA H100 80GB HBM3'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{smi.parent}{os.pathsep}{os.environ['PATH']}")
+    assert bench.gpu_name() == "NVIDIA H100 80GB HBM3"
+    smi.write_text("#!/bin/sh\nexit 9\n")
+    assert bench.gpu_name() is None
+
+    def rec(config: str, ms: float, device: str) -> dict:
+        return {"hidden": 4096, "release": "0.17.1", "tied": False, "config": config, "round": 1, "rc": 0,
+                "step_ms": ms, "allocated_gib": 31.5, "max_allocated_gib": 36.7, "error": None,
+                "finished": "2026-12-02T03:00:00Z", "device": device}
+    lines = bench.summary([rec("fusion_off", 350.0, "NVIDIA H200"), rec("patched", 343.0, "NVIDIA H200"),
+                           rec("fusion_off", 500.0, "NVIDIA H100 80GB HBM3"),
+                           rec("patched", 505.0, "NVIDIA H100 80GB HBM3")]).splitlines()
+    h100, h200 = ([c.strip() for c in x.split("|")] for x in lines if "| patched |" in x)
+    assert h200[6] == "0.980" and h200[-1] == "gc auto, NVIDIA H200"
+    assert h100[6] == "1.010" and h100[-1] == "gc auto, NVIDIA H100 80GB HBM3"

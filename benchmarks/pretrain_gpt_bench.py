@@ -42,8 +42,8 @@ off: ``GEMM_PATCH_SHARED_GRAD=0``, ``GEMM_PATCH_TE_OVERWRITE=0``, ``GEMM_PATCH_F
 once, the order turned by one each round (so no cell always runs first on a cold GPU). Every
 finished process appends one JSON record to ``--out`` at once (entry, release, size, hidden, vocab,
 tied, config, round, step_ms: the median of megatron's logged per-iteration times after the
-iteration-1 line, allocated_gib and max_allocated_gib of the last memory report, iterations, rc,
-error, command, ...), so a cut-off call keeps what finished; no process starts after
+iteration-1 line, allocated_gib and max_allocated_gib of the last memory report, device: the
+GPU's name, iterations, rc, error, command, ...), so a cut-off call keeps what finished; no process starts after
 ``--deadline`` seconds, and each has ``--proc-limit`` seconds. The GPU kit of
 validation/convergence/run.sh is used as there: PYTHONPATH=KIT/mcXYZ:KIT/site:this checkout, the
 no-op Makefile in megatron/core/datasets, NCCL_NVLS_ENABLE=0; pretrain_gpt.py and its neighbours

@@ -333,7 +333,7 @@ def summary(records: list[dict[str, Any]]) -> str:
     lines = ["hidden | release | tied | config | rounds | step ms (median; each round) | vs fusion off | "
              "same round (pairs: range) | allocated GiB | max allocated GiB | allocated - fusion off | "
              "max allocated - fusion off | setting"]
-    for key in sorted(groups, key=lambda k: (k[0], k[1], not k[2], k[4] != DEFAULT_SETTING, k[4],
+    for key in sorted(groups, key=lambda k: (k[0], k[1], not k[2], not k[4].startswith(DEFAULT_SETTING), k[4],
                                               list(CONFIGS).index(k[3]))):
         rs = sorted(groups[key], key=lambda r: r["round"])
         ms = statistics.median(r["step_ms"] for r in rs)

@@ -58,7 +58,7 @@ def environment() -> dict:
 
 
 def methods(backends: dict) -> dict:
-    from gemm_patch.dispatcher import WgradDispatcher
+    from gemm_patch.gemm.dispatcher import WgradDispatcher
 
     def via(name, accumulate):
         disp = WgradDispatcher(name)
@@ -133,7 +133,7 @@ def bench_shape(shape, table, warmup, iters, rounds) -> list[dict]:
 
 def host_cost(backends: dict, calls: int = 2000) -> dict:
     """Per-call host time on a 64^3 GEMM: launch-bound, so it is the Python+dispatch cost."""
-    from gemm_patch.dispatcher import WgradDispatcher
+    from gemm_patch.gemm.dispatcher import WgradDispatcher
 
     a = torch.randn(64, 64, device="cuda").to(torch.bfloat16)
     b = torch.randn(64, 64, device="cuda").to(torch.bfloat16)
@@ -177,7 +177,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
         return 2
-    from gemm_patch.backends import all_backends
+    from gemm_patch.gemm.backends import all_backends
 
     backends = all_backends()
     table = methods(backends)

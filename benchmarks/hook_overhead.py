@@ -117,7 +117,8 @@ def fused_linear_cost(torch) -> dict[str, float]:
 
 
 def rule_costs(torch) -> dict[str, float]:
-    from gemm_patch.targets import fsdp_rules, shared_grad
+    from gemm_patch.targets import shared_grad
+    from gemm_patch.upstream import fsdp_rules
 
     persistent, fresh = fsdp_param(torch, (4, 4)), fsdp_param(torch, (4, 4), persistent=False)
 

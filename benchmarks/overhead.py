@@ -40,7 +40,7 @@ def import_cost(runs: int) -> dict:
 def dispatch_cost(number: int = 20000, repeat: int = 15) -> dict:
     import torch
 
-    from gemm_patch import dispatcher as d
+    from gemm_patch.gemm import dispatcher as d
     from gemm_patch.targets.fsdp_wgrad import fsdp_wgrad
 
     disp = d.WgradDispatcher()

@@ -72,7 +72,7 @@ sys.path.insert(0, str(ROOT / "validation" / "convergence"))
 import profile_trace  # noqa: E402
 from parse_logs import ERROR_RE, _first_cause  # noqa: E402  (the convergence runs' error line)
 
-from gemm_patch.compare import parse_log  # noqa: E402
+from gemm_patch.commands.compare import parse_log  # noqa: E402
 
 SIZES: dict[str, dict[str, int]] = {
     "hidden4096": {"layers": 4, "hidden": 4096, "ffn": 16384, "heads": 32, "seq": 4096, "mbs": 1, "gbs": 4,

@@ -48,7 +48,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from gemm_patch.launcher import launch_env  # noqa: E402
+from gemm_patch.commands.launcher import launch_env  # noqa: E402
 
 BUDGET_MS = 5.0
 MODULES = "import sys, json; print(json.dumps(sorted(sys.modules)))"

@@ -45,7 +45,7 @@ import megatron_lm  # noqa: E402
 ROOT = matrix.ROOT
 sys.path.insert(0, str(ROOT))
 # The data files an adoption writes, relative to the repository (``adopt(root=...)``).
-RELEASES = Path("gemm_patch") / "releases.json"
+RELEASES = Path("gemm_patch") / "engine" / "releases.json"
 MATRIX_JSON = matrix.MATRIX_FILE.relative_to(ROOT)
 PATCHED = ("verified", "compatible", "forced")
 
@@ -144,8 +144,8 @@ def fingerprints(code: Code, python: str) -> dict[str, Found]:
 def judged(target, release: str | None, found: Found) -> str:
     """The state the target reads on this code with GEMM_PATCH_ALLOW_UNVERIFIED=1 (``Target.judge``;
     a commit has no release of its own: it reports the coming one's version)."""
-    from gemm_patch.config import Config
-    from gemm_patch.target import Inspection
+    from gemm_patch.engine.config import Config
+    from gemm_patch.engine.target import Inspection
 
     if not found.applicable:
         return "not applicable"

@@ -17,9 +17,9 @@ import sys
 
 os.environ["GEMM_PATCH"] = "0"  # look at the unpatched source
 
-from gemm_patch import detection  # noqa: E402
-from gemm_patch.callsite import CallSiteError  # noqa: E402
-from gemm_patch.target import public_version  # noqa: E402
+from gemm_patch.engine import detection  # noqa: E402
+from gemm_patch.engine.callsite import CallSiteError  # noqa: E402
+from gemm_patch.engine.target import public_version  # noqa: E402
 from gemm_patch.targets import REGISTRY  # noqa: E402
 
 

@@ -323,7 +323,7 @@ def holds_megatron(entry: str) -> bool:
 _PROBE = """
 import importlib, json, sys
 import gemm_patch
-from gemm_patch import detection
+from gemm_patch.engine import detection
 from gemm_patch.targets import REGISTRY
 component, names = sys.argv[1], sys.argv[2].split(",")
 for target in REGISTRY:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 __version__ = "0.4.0"
 
-from . import patcher as _patcher  # noqa: E402
-from .patcher import GemmPatchError, Status, apply, revert, status  # noqa: E402
+from .engine import patcher as _patcher  # noqa: E402
+from .engine.patcher import GemmPatchError, Status, apply, revert, status  # noqa: E402
 from .targets import REGISTRY as _REGISTRY  # noqa: E402
 
 _patcher.use_targets(_REGISTRY)
@@ -29,14 +29,14 @@ def _imported_by_own_command() -> bool:
     if sys.argv and os.path.splitext(os.path.basename(sys.argv[0]))[0] == "gemm-patch":
         return True
     argv = list(getattr(sys, "orig_argv", []))
-    return "-m" in argv and argv[argv.index("-m") + 1:][:1] in (["gemm_patch"], ["gemm_patch.cli"])
+    return "-m" in argv and argv[argv.index("-m") + 1:][:1] in (["gemm_patch"], ["gemm_patch.commands.cli"])
 
 
 def _auto_apply() -> None:
-    from . import config
+    from .engine import config
 
     if config.enabled():  # GEMM_PATCH=0 beats every other variable, bad values included
-        from .patcher import apply_quietly
+        from .engine.patcher import apply_quietly
 
         apply_quietly()
 

@@ -28,8 +28,8 @@ from typing import Any
 import pytest
 
 import gemm_patch
-from gemm_patch import patcher
-from gemm_patch.target import NOT_APPLICABLE, OFF, PATCHED_STATES, PENDING, REPLACED, UNVERIFIED, Step, Target
+from gemm_patch.engine import patcher
+from gemm_patch.engine.target import NOT_APPLICABLE, OFF, PATCHED_STATES, PENDING, REPLACED, UNVERIFIED, Step, Target
 from gemm_patch.targets import REGISTRY
 
 IGNORED = frozenset({"__warningregistry__"})
@@ -170,7 +170,7 @@ def import_targets():
 if order == "module first":
     import_targets()
 import gemm_patch
-from gemm_patch import patcher
+from gemm_patch.engine import patcher
 before = {t.name: t.state for t in gemm_patch.status().targets}
 import_targets()
 found = {}

@@ -98,7 +98,7 @@ def test_adopting_a_new_release_changes_only_data_files(tmp_path, monkeypatch):
     the release data and compat/matrix.json change, each by the lines of the new release."""
     import subprocess
 
-    from gemm_patch import release_data
+    from gemm_patch.engine import release_data
     from gemm_patch.targets import REGISTRY
 
     copy = tmp_path / "repo"
@@ -124,16 +124,16 @@ def test_adopting_a_new_release_changes_only_data_files(tmp_path, monkeypatch):
     result = adopt.adopt("megatron-core==0.19.3", say=lines.append, root=copy)
     after = _snapshot(copy)
     changed = {path for path in before.keys() | after.keys() if before.get(path) != after.get(path)}
-    assert changed == {Path("gemm_patch/releases.json"), Path("compat/matrix.json")}, (changed, lines)
+    assert changed == {Path("gemm_patch/engine/releases.json"), Path("compat/matrix.json")}, (changed, lines)
     assert result["fsdp-wgrad"].state == "forced" and result["fsdp-wgrad"].ok, lines
-    data = json.loads(after[Path("gemm_patch/releases.json")])
+    data = json.loads(after[Path("gemm_patch/engine/releases.json")])
     for target in core:
         table = data["targets"][target.name]["fingerprints"]
         assert table.get("0.19.3") == found[target.name].fingerprint if found[target.name].applicable \
             else "0.19.3" not in table, target.name
         assert list(table) == sorted(table, key=adopt._version_key), target.name
-    diff = [line for line in difflib.ndiff(before[Path("gemm_patch/releases.json")].decode().splitlines(),
-                                           after[Path("gemm_patch/releases.json")].decode().splitlines())
+    diff = [line for line in difflib.ndiff(before[Path("gemm_patch/engine/releases.json")].decode().splitlines(),
+                                           after[Path("gemm_patch/engine/releases.json")].decode().splitlines())
             if line[:1] in "+-"]
     new = [line for line in diff if '"0.19.3"' in line]
     assert len(new) == sum(found[t.name].applicable for t in core) and all(line[0] == "+" for line in new), diff

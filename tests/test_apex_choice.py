@@ -11,10 +11,10 @@ import pytest
 from source_modules import load_source
 from test_apex_target import CALLS, CHECK, GUARD
 
-from gemm_patch import config, patcher
-from gemm_patch.apex_analysis import find_apex_usage
-from gemm_patch.config import Config, ConfigError, Named
-from gemm_patch.target import Refused
+from gemm_patch.engine import config, patcher
+from gemm_patch.engine.config import Config, ConfigError, Named
+from gemm_patch.engine.target import Refused
+from gemm_patch.targets.apex_analysis import find_apex_usage
 from gemm_patch.targets.apex_wgrad import STAND_IN, apex_word
 from gemm_patch.targets.apex_wgrad import TARGET as APEX_WGRAD
 

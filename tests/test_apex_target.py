@@ -11,9 +11,9 @@ import sys
 import pytest
 from source_modules import load_source
 
-from gemm_patch.apex_analysis import find_apex_usage
-from gemm_patch.config import Config
-from gemm_patch.target import Refused
+from gemm_patch.engine.config import Config
+from gemm_patch.engine.target import Refused
+from gemm_patch.targets.apex_analysis import find_apex_usage
 from gemm_patch.targets.apex_wgrad import STAND_IN, apex_word
 from gemm_patch.targets.apex_wgrad import TARGET as APEX_WGRAD
 

@@ -68,7 +68,7 @@ def test_wheel_ships_the_pth_at_site_packages_root(venvs):
     lines = (site / "gemm_patch_auto.pth").read_text().splitlines()
     assert len(lines) == 1 and lines[0].startswith("import os;")
     assert (site / "_gemm_patch_startup.py").is_file()
-    assert (site / "gemm_patch" / "releases.json").is_file()  # the targets' release data
+    assert (site / "gemm_patch" / "engine" / "releases.json").is_file()  # the targets' release data
 
 
 def test_auto_1_loads_neither_wrapt_nor_gemm_patch_at_start_up(venvs, tmp_path):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gemm_patch import cli, compare
+from gemm_patch.commands import cli, compare
 
 ROOT = Path(__file__).resolve().parent.parent
 LOGS = ROOT / "tests" / "data" / "megatron_logs"

@@ -1,6 +1,6 @@
 import pytest
 
-from gemm_patch import config
+from gemm_patch.engine import config
 
 
 def test_defaults():

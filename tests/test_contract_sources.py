@@ -29,8 +29,8 @@ import pytest
 from te_files import install_te_modules, te_root
 
 import gemm_patch
-from gemm_patch import detection
-from gemm_patch.target import NOT_APPLICABLE, VERIFIED
+from gemm_patch.engine import detection
+from gemm_patch.engine.target import NOT_APPLICABLE, VERIFIED
 from gemm_patch.targets import nemo_fsdp_gaf, te_dummy_wgrad
 
 pytest.importorskip("torch")  # TE's base module is compiled against torch (tests/te_files.py)

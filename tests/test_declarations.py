@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from gemm_patch import config, detection
+from gemm_patch.engine import config, detection
 from gemm_patch.targets import REGISTRY
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,7 +53,7 @@ def test_triggers_are_the_top_level_packages_of_the_registered_targets():
 
 def test_backends_are_registered_once():
     pytest.importorskip("torch")
-    from gemm_patch import backends, dispatcher
+    from gemm_patch.gemm import backends, dispatcher
 
     defined = {obj.name for obj in vars(backends).values()
                if isinstance(obj, type) and issubclass(obj, backends.Backend) and obj is not backends.Backend}

@@ -7,8 +7,8 @@ import logging
 import pytest
 import torch
 
-from gemm_patch.backends import Backend, ExactFallbackBackend
-from gemm_patch.dispatcher import WgradDispatcher, WgradOperandError
+from gemm_patch.gemm.backends import Backend, ExactFallbackBackend
+from gemm_patch.gemm.dispatcher import WgradDispatcher, WgradOperandError
 
 
 def operands(m=24, k=40, n=16, dtype=torch.bfloat16, out_dtype=torch.float32, seed=0):
@@ -136,7 +136,7 @@ def test_the_dispatcher_follows_the_latest_apply(monkeypatch):
     """A new GEMM_PATCH_BACKEND, then apply() (again, or after revert()): the dispatcher runs in
     the order status() shows (0.3.0 kept the order of its first use)."""
     import gemm_patch
-    from gemm_patch.dispatcher import active_dispatcher
+    from gemm_patch.gemm.dispatcher import active_dispatcher
 
     try:
         for backend, order, revert in (("fallback", ("fallback",), False), ("native", ("native", "fallback"), False),

@@ -10,9 +10,9 @@ from process_env import clean_env, gemm_patch_command
 
 torch = pytest.importorskip("torch")
 
-from gemm_patch import doctor  # noqa: E402
-from gemm_patch.backends import Backend, ExactFallbackBackend  # noqa: E402
-from gemm_patch.dispatcher import WgradDispatcher  # noqa: E402
+from gemm_patch.commands import doctor  # noqa: E402
+from gemm_patch.gemm.backends import Backend, ExactFallbackBackend  # noqa: E402
+from gemm_patch.gemm.dispatcher import WgradDispatcher  # noqa: E402
 
 
 def cli(*args: str, **variables: str) -> subprocess.CompletedProcess:

@@ -14,7 +14,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from gemm_patch.backends import ExactFallbackBackend  # noqa: E402
+from gemm_patch.gemm.backends import ExactFallbackBackend  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
@@ -87,7 +87,7 @@ def test_fallback_is_bit_identical_into_a_non_contiguous_main_grad(dtypes, out_l
 # Prints the peak resident memory (MiB) that one gemm call adds on top of its inputs.
 PEAK = textwrap.dedent("""
     import sys, torch
-    from gemm_patch.backends import ExactFallbackBackend
+    from gemm_patch.gemm.backends import ExactFallbackBackend
     torch.set_num_threads(1)
     m, k, n = map(int, sys.argv[1:4])
     a_dtype, out_dtype = getattr(torch, sys.argv[4]), getattr(torch, sys.argv[5])

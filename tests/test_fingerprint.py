@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gemm_patch.callsite import fingerprint
+from gemm_patch.engine.callsite import fingerprint
 
 SOURCE = '''
 class Layer(torch.autograd.Function):
@@ -58,7 +58,7 @@ def test_formatting_and_comments_do_not_count_but_code_does():
 @pytest.mark.skipif(not OTHER_PYTHONS, reason="no other CPython 3.10/3.12/3.13 on PATH")
 @pytest.mark.parametrize("python", OTHER_PYTHONS)
 def test_same_fingerprint_on_other_python_versions(python):
-    callsite = Path(__file__).resolve().parent.parent / "gemm_patch" / "callsite.py"
+    callsite = Path(__file__).resolve().parent.parent / "gemm_patch" / "engine" / "callsite.py"
     out = subprocess.run([python, "-c", PROBE, str(callsite)], input=SOURCE, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == fingerprint(ast.parse(SOURCE).body[0].body[0]), (python, sys.version)

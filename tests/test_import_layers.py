@@ -8,9 +8,11 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "gemm_patch"
-UPPER = {"gemm_patch.patcher", "gemm_patch.cli", "gemm_patch.doctor", "gemm_patch.demo", "gemm_patch.launcher"}
-LOWER = ["target.py", "callsite.py", "config.py", "detection.py", "report.py", "dispatcher.py", "backends.py",
-         "imports.py", "apex_analysis.py", *(f"targets/{p.name}" for p in sorted((PACKAGE / "targets").glob("*.py")))]
+UPPER = {"gemm_patch.engine.patcher", "gemm_patch.commands.cli", "gemm_patch.commands.doctor",
+         "gemm_patch.commands.demo", "gemm_patch.commands.launcher"}
+LOWER = [*(f"engine/{name}.py" for name in ("target", "callsite", "config", "detection", "report", "imports")),
+         "gemm/dispatcher.py", "gemm/backends.py",
+         *(f"targets/{p.name}" for p in sorted((PACKAGE / "targets").glob("*.py")))]
 
 
 def imported(path: Path) -> set[str]:
@@ -38,10 +40,10 @@ def test_the_check_sees_a_climbing_import(tmp_path):
     (tmp_path / "targets").mkdir()
     probe = PACKAGE / "targets" / "nemo_fsdp_gaf.py"
     assert "gemm_patch.targets" in {n.rsplit(".", 1)[0] for n in imported(probe)} or imported(probe)
-    source = "from .. import detection, patcher\nfrom ..cli import main\n"
+    source = "from ..engine import detection, patcher\nfrom ..commands.cli import main\n"
     path = PACKAGE / "targets" / "_probe_climb.py"
     try:
         path.write_text(source)
-        assert imported(path) & UPPER == {"gemm_patch.patcher", "gemm_patch.cli"}
+        assert imported(path) & UPPER == {"gemm_patch.engine.patcher", "gemm_patch.commands.cli"}
     finally:
         path.unlink()

@@ -82,7 +82,7 @@ print(json.dumps({"level": log.level, "handlers": len(log.handlers), "ours": log
 
 
 def test_configure_logging_and_emit_never_derive_a_level_from_its_name():
-    from gemm_patch import report
+    from gemm_patch.engine import report
 
     old_level, old_own = report.log.level, report._own_level
     try:

@@ -29,7 +29,8 @@ from pathlib import Path
 
 import pytest
 
-from gemm_patch.targets import fsdp_wgrad, megatron_main, one_rank_scale, te_overwrite
+from gemm_patch.targets import fsdp_wgrad, one_rank_scale, te_overwrite
+from gemm_patch.upstream import megatron_main
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "compat"))
@@ -58,8 +59,8 @@ def test_every_main_target_pins_the_same_commit():
 DRIVER = r'''
 import dataclasses, json, os, sys, types
 import torch
-import gemm_patch, gemm_patch.patcher as p
-from gemm_patch import detection
+import gemm_patch, gemm_patch.engine.patcher as p
+from gemm_patch.engine import detection
 from gemm_patch.targets import fsdp_wgrad, te_overwrite
 
 MINE = (fsdp_wgrad.GEMM_TARGET, te_overwrite.BY_STRATEGY_TARGET, te_overwrite.BY_STRATEGY_STANDALONE,

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import pytest
 
-from gemm_patch import config
-from gemm_patch.callsite import fingerprint, parse_method
-from gemm_patch.target import PatchedTwin
+from gemm_patch.engine import config
+from gemm_patch.engine.callsite import fingerprint, parse_method
+from gemm_patch.engine.target import PatchedTwin
 from gemm_patch.targets import nemo_fsdp_gaf
 from gemm_patch.targets.nemo_fsdp_gaf import TARGET, fused_path_ready
 
@@ -284,8 +284,8 @@ SCRIPT = """
 import sys
 sys.path.insert(0, {tests!r})
 import test_nemo_target as t
-from gemm_patch import patcher
-from gemm_patch.target import TargetStatus
+from gemm_patch.engine import patcher
+from gemm_patch.engine.target import TargetStatus
 sys.modules[t.MODULE] = module = t.nemo_module(t.source_file("2.7.3"))
 import gemm_patch
 st = {{s.name: s for s in gemm_patch.apply().targets}}["nemo-fsdp-gaf"]

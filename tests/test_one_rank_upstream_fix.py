@@ -20,7 +20,8 @@ from __future__ import annotations
 import pytest
 from test_mcore_main_targets import ROOT, run_driver
 
-from gemm_patch.targets import megatron_main, one_rank_scale
+from gemm_patch.targets import one_rank_scale
+from gemm_patch.upstream import megatron_main
 
 PR_HEAD = "c00aacff0573c5d286511249bcb27517211c0eff"  # Megatron-LM PR #6773's head
 NAMES = (one_rank_scale.TARGET.name, one_rank_scale.STANDALONE.name)

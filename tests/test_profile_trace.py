@@ -46,7 +46,7 @@ def test_busy_time_kinds_and_own_frames_per_step():
 
 def test_a_real_cpu_trace_of_the_dispatcher(tmp_path):
     torch = pytest.importorskip("torch")
-    from gemm_patch.dispatcher import WgradDispatcher
+    from gemm_patch.gemm.dispatcher import WgradDispatcher
 
     dispatcher = WgradDispatcher("fallback")
     a, b = torch.randn(32, 16, dtype=torch.bfloat16), torch.randn(16, 24, dtype=torch.bfloat16)
@@ -62,7 +62,7 @@ def test_a_real_cpu_trace_of_the_dispatcher(tmp_path):
     r = profile_trace.analyse(profile_trace.load(trace))
     assert r["steps"] == 2 and r["python_frames"] and r["kernel_ms"] == 0.0
     assert r["gemm_patch_calls_per_step"] == 4.0
-    assert set(r["gemm_patch_self_ms_by_module"]) <= {"dispatcher.py", "backends.py"}
+    assert set(r["gemm_patch_self_ms_by_module"]) <= {"gemm/dispatcher.py", "gemm/backends.py"}
     assert 0 < r["gemm_patch_self_ms"] < r["gemm_patch_outermost_ms"] <= r["host_step_ms"]
     assert profile_trace.main([str(trace)]) == 0
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 from process_env import clean_env
 
-from gemm_patch import detection
+from gemm_patch.engine import detection
 
 ALL = (*detection.RANK_VARIABLES, "LOCAL_RANK")
 

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 from packaging.version import InvalidVersion, Version
 
-from gemm_patch import release_data
-from gemm_patch.targets import REGISTRY, megatron_main
+from gemm_patch.engine import release_data
+from gemm_patch.targets import REGISTRY
+from gemm_patch.upstream import megatron_main
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "compat"))

@@ -11,8 +11,8 @@ import pytest
 import torch
 from source_modules import load_source
 
-from gemm_patch import config
-from gemm_patch.callsite import CallSiteError
+from gemm_patch.engine import config
+from gemm_patch.engine.callsite import CallSiteError
 from gemm_patch.targets import shared_grad
 
 SOURCE = '''

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from gemm_patch.backends import TransformerEngineBackend
+from gemm_patch.gemm.backends import TransformerEngineBackend
 
 
 def make_general_gemm(with_workspace: bool, calls: list):

@@ -15,8 +15,8 @@ from te_files import install_te_modules, te_root
 
 torch = pytest.importorskip("torch")
 
-from gemm_patch import config  # noqa: E402
-from gemm_patch.target import Refused  # noqa: E402
+from gemm_patch.engine import config  # noqa: E402
+from gemm_patch.engine.target import Refused  # noqa: E402
 from gemm_patch.targets import te_dummy_wgrad  # noqa: E402
 
 TARGET = te_dummy_wgrad.TARGET

@@ -12,9 +12,9 @@ import types
 import pytest
 from source_modules import load_source
 
-from gemm_patch import config, detection, patcher, report
-from gemm_patch.callsite import find_statement
-from gemm_patch.target import Refused, TargetStatus
+from gemm_patch.engine import config, detection, patcher, report
+from gemm_patch.engine.callsite import find_statement
+from gemm_patch.engine.target import Refused, TargetStatus
 from gemm_patch.targets import REGISTRY
 from gemm_patch.targets.te_overwrite import STANDALONE as MFSDP_TE_OVERWRITE
 from gemm_patch.targets.te_overwrite import TARGET as FSDP_TE_OVERWRITE
@@ -296,6 +296,6 @@ def test_an_unknown_release_is_one_warning_line_for_all_targets(monkeypatch):
 
 
 def test_a_package_that_is_not_installed_is_not_findable():
-    from gemm_patch import detection
+    from gemm_patch.engine import detection
 
     assert detection.module_findable("gemm_patch_no_such_package_xyz.megatron_fsdp") is False

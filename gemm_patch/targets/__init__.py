@@ -7,7 +7,7 @@ known target is one line in that entry's ``fingerprints``.
 
 from __future__ import annotations
 
-from ..target import Target
+from ..engine.target import Target
 from . import apex_wgrad, fsdp_wgrad, nemo_fsdp_gaf, one_rank_scale, shared_grad, te_dummy_wgrad, te_overwrite
 
 REGISTRY: tuple[Target, ...] = (

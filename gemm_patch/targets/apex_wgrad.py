@@ -22,9 +22,8 @@ import types
 from dataclasses import dataclass
 from typing import Any
 
-from ..apex_analysis import find_apex_usage
-from ..config import Config
-from ..target import (
+from ..engine.config import Config
+from ..engine.target import (
     DEFAULTS,
     NOT_APPLICABLE,
     OFF,
@@ -36,6 +35,7 @@ from ..target import (
     TargetStatus,
     Undo,
 )
+from .apex_analysis import find_apex_usage
 
 EXTENSION = "fused_weight_gradient_mlp_cuda"
 APEX_REAL = "apex real"  # apex's own extension imported: nothing to provide
@@ -46,7 +46,7 @@ _MARKER = "__gemm_patch_stand_in__"
 
 def apex_wgrad(total_input: Any, grad_output: Any, main_grad: Any) -> None:
     """apex's ``wgrad_gemm_accum_fp32/fp16(total_input, grad_output, main_grad)``."""
-    from ..dispatcher import active_dispatcher
+    from ..gemm.dispatcher import active_dispatcher
 
     # apex folds leading dimensions into the token dimension ([s, b, h] -> [s*b, h]).
     total_input = total_input.reshape(-1, total_input.shape[-1])

@@ -33,7 +33,7 @@ import types
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..callsite import (
+from ..engine.callsite import (
     Redirect,
     build_twin,
     check_live_is_source,
@@ -41,10 +41,10 @@ from ..callsite import (
     find_call_site,
     find_calls,
 )
-from ..config import Config
-from ..target import DEFAULTS, Inspection, MethodTarget, PatchedTwin, Undo
-from . import fsdp_rules
-from .fsdp_rules import is_fsdp_param, main_grad_alias, wgrad_accumulates
+from ..engine.config import Config
+from ..engine.target import DEFAULTS, Inspection, MethodTarget, PatchedTwin, Undo
+from ..upstream import fsdp_rules
+from ..upstream.fsdp_rules import is_fsdp_param, main_grad_alias, wgrad_accumulates
 
 LAYERS = "megatron.core.tensor_parallel.layers"
 CALL = "torch.matmul(grad_output.t(), total_input, out=weight.main_grad)"
@@ -59,7 +59,7 @@ _active_dispatcher = None  # dispatcher.active_dispatcher, bound on the first ca
 def _dispatcher() -> Any:
     global _active_dispatcher
     if _active_dispatcher is None:
-        from ..dispatcher import active_dispatcher
+        from ..gemm.dispatcher import active_dispatcher
 
         _active_dispatcher = active_dispatcher
     return _active_dispatcher()

@@ -37,8 +37,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .. import detection, report
-from ..callsite import (
+from ..engine import detection, report
+from ..engine.callsite import (
     AnalysedFunction,
     build_edited_twin,
     canonical_dump,
@@ -46,8 +46,8 @@ from ..callsite import (
     fingerprint,
     parse_method,
 )
-from ..config import Config
-from ..target import (
+from ..engine.config import Config
+from ..engine.target import (
     COMPATIBLE,
     DEFAULTS,
     NOT_APPLICABLE,

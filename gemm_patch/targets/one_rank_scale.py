@@ -37,9 +37,15 @@ from typing import Any
 
 import wrapt
 
-from ..callsite import CallSiteError, check_live_function_is_source, check_live_is_source, fingerprint, parse_method
-from ..config import Config
-from ..target import DEFAULTS, Inspection, MethodTarget, Target, Undo, in_both_fsdp_packages
+from ..engine.callsite import (
+    CallSiteError,
+    check_live_function_is_source,
+    check_live_is_source,
+    fingerprint,
+    parse_method,
+)
+from ..engine.config import Config
+from ..engine.target import DEFAULTS, Inspection, MethodTarget, Target, Undo, in_both_fsdp_packages
 
 FUNCTION = "gradient_reduce_preprocessing"
 PREMUL = "torch.distributed._make_nccl_premul_sum"

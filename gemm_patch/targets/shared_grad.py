@@ -70,8 +70,8 @@ import types
 from dataclasses import dataclass
 from typing import Any
 
-from .. import release_data
-from ..callsite import (
+from ..engine import release_data
+from ..engine.callsite import (
     AnalysedFunction,
     CallSiteError,
     build_edited_twin,
@@ -80,9 +80,9 @@ from ..callsite import (
     fingerprint,
     parse_method,
 )
-from ..config import Config
-from ..target import DEFAULTS, Inspection, MethodTarget, PatchedTwin, Undo, in_both_fsdp_packages
-from .fsdp_rules import hooks_end_records, is_fsdp_param, restore_written_flag, without_pending_uses
+from ..engine.config import Config
+from ..engine.target import DEFAULTS, Inspection, MethodTarget, PatchedTwin, Undo, in_both_fsdp_packages
+from ..upstream.fsdp_rules import hooks_end_records, is_fsdp_param, restore_written_flag, without_pending_uses
 
 NESTED = "_grad_acc"
 STATEMENT = "if param.grad_added_to_main_grad and param.grad is not None:\n    del param.grad\n"

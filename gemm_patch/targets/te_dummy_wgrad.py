@@ -27,9 +27,9 @@ import types
 from dataclasses import dataclass
 from typing import Any
 
-from ..callsite import CallSiteError, canonical_dump, check_live_function_is_source, fingerprint, parse_module
-from ..config import Config
-from ..target import DEFAULTS, Inspection, Target, Undo
+from ..engine.callsite import CallSiteError, canonical_dump, check_live_function_is_source, fingerprint, parse_module
+from ..engine.config import Config
+from ..engine.target import DEFAULTS, Inspection, Target, Undo
 
 BASE = "transformer_engine.pytorch.module.base"
 CALLERS = ("transformer_engine.pytorch.module.linear", "transformer_engine.pytorch.module.layernorm_linear")

@@ -37,10 +37,10 @@ from typing import Any
 
 import wrapt
 
-from ..callsite import check_live_is_source, find_statement
-from ..config import Config
-from ..target import DEFAULTS, Inspection, MethodTarget, Undo, in_both_fsdp_packages
-from .fsdp_rules import main_grad_is_persistent
+from ..engine.callsite import check_live_is_source, find_statement
+from ..engine.config import Config
+from ..engine.target import DEFAULTS, Inspection, MethodTarget, Undo, in_both_fsdp_packages
+from ..upstream.fsdp_rules import main_grad_is_persistent
 
 STATEMENT = "param.overwrite_main_grad = True"
 

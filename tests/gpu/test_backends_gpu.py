@@ -40,7 +40,7 @@ def test_patched_release_matches_upstream_fix(upstream, version, backend, tmp_pa
 
 
 def _dispatcher(backend):
-    from gemm_patch.dispatcher import WgradDispatcher
+    from gemm_patch.gemm.dispatcher import WgradDispatcher
 
     return WgradDispatcher(backend)
 
@@ -68,7 +68,7 @@ def test_patched_backward_in_a_cuda_graph(backend, monkeypatch):
     import megatron.core.tensor_parallel.layers as layers
 
     import gemm_patch
-    from gemm_patch import dispatcher
+    from gemm_patch.gemm import dispatcher
 
     gemm_patch.apply()
     dispatcher.reset_active_dispatcher()
@@ -115,7 +115,7 @@ def test_te_failure_hands_over_to_native_without_corrupting_training(caplog):
     import megatron.core.tensor_parallel.layers as layers
 
     import gemm_patch
-    from gemm_patch import dispatcher
+    from gemm_patch.gemm import dispatcher
 
     gemm_patch.apply()
 
@@ -139,7 +139,7 @@ def test_te_failure_hands_over_to_native_without_corrupting_training(caplog):
         return master
 
     expected = train(_dispatcher("native"))
-    from gemm_patch.dispatcher import WgradDispatcher
+    from gemm_patch.gemm.dispatcher import WgradDispatcher
 
     faulty = WgradDispatcher(order=("te", "native", "fallback"))
     te = faulty.backends["te"]

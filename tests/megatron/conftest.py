@@ -21,7 +21,7 @@ def _expected_states() -> dict[str, str]:
     on sys.path."""
     if os.environ.get("GEMM_PATCH_MATRIX_EXPECT"):
         return json.loads(os.environ["GEMM_PATCH_MATRIX_EXPECT"])
-    from gemm_patch import detection
+    from gemm_patch.engine import detection
     from gemm_patch.targets import REGISTRY
 
     version = detection.distribution_version("megatron-core")

@@ -68,6 +68,6 @@ def step(layer, seed: int, tokens: int = 12, batch: int = 3):
 def unknown_release(*names: str) -> str:
     """Snippet: this process's gemm_patch pretends the installed release is unknown to the named
     targets (their fingerprint tables emptied); the code that runs is the real release's."""
-    return ("import dataclasses, gemm_patch.patcher as p\n"
+    return ("import dataclasses, gemm_patch.engine.patcher as p\n"
             f"p.use_targets(tuple(dataclasses.replace(x, fingerprints={{}}) if x.name in {names!r} else x "
             "for x in p.targets()))\n")

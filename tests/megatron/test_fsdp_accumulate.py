@@ -22,7 +22,7 @@ import pytest
 from conftest import APPLICABLE, layers, torch
 
 import gemm_patch
-from gemm_patch.targets.fsdp_rules import main_grad_is_persistent
+from gemm_patch.upstream.fsdp_rules import main_grad_is_persistent
 
 pytestmark = pytest.mark.proves("fsdp-wgrad")
 

@@ -90,7 +90,7 @@ def test_a_pending_grad_is_never_aliased(patched, cpu_dummy):
     weight, gbuf = megatron_fsdp_param(40, 32, distributed=False)
     weight.grad = torch.zeros_like(weight)
     weight.main_grad = gbuf.data.view(weight.shape)
-    from gemm_patch.targets.fsdp_rules import main_grad_alias
+    from gemm_patch.upstream.fsdp_rules import main_grad_alias
 
     assert main_grad_alias(weight, list(weight.shape), torch.bfloat16) is None
     weight.grad = None
@@ -103,7 +103,7 @@ def test_a_pending_grad_is_never_aliased(patched, cpu_dummy):
 
 def test_cuda_graph_capture_gets_megatrons_dummy(patched, cpu_dummy, monkeypatch):
     """During capture the dummy keeps megatron's (TE's cached, fixed-address) tensor."""
-    from gemm_patch.targets import fsdp_rules
+    from gemm_patch.upstream import fsdp_rules
 
     monkeypatch.setattr(fsdp_rules, "view_forbidden", lambda tensor: True)
     weight, gbuf = megatron_fsdp_param(40, 32, distributed=False)
@@ -116,7 +116,7 @@ def test_anomaly_mode_gets_megatrons_dummy():
     """Anomaly mode checks every returned gradient for NaN; main_grad's bits read as bf16 may
     be NaN, so the view is not given there. (Megatron's own dummy is uninitialised memory, so
     its backward can fail that check too: only the choice is tested.)"""
-    from gemm_patch.targets.fsdp_rules import main_grad_alias
+    from gemm_patch.upstream.fsdp_rules import main_grad_alias
 
     weight, gbuf = megatron_fsdp_param(40, 32, distributed=False)
     weight.main_grad = gbuf.data.view(weight.shape)

@@ -29,7 +29,7 @@ import unshard as fsdp_cpu  # noqa: E402
 from unshard import fsdp_param  # noqa: E402
 
 import gemm_patch
-from gemm_patch import detection
+from gemm_patch.engine import detection
 
 pytestmark = pytest.mark.proves("fsdp-te-overwrite")
 

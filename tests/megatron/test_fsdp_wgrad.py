@@ -244,7 +244,7 @@ def test_a_style_only_edit_that_keeps_the_bug_is_unverified(tmp_path):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from source_modules import load_edited_copy
 
-    from gemm_patch import config, detection
+    from gemm_patch.engine import config, detection
     from gemm_patch.targets.fsdp_wgrad import CALL, TARGET
 
     line = next(line for line in inspect.getsource(layers).splitlines(keepends=True) if line.strip() == CALL)

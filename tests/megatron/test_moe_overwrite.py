@@ -29,7 +29,7 @@ import pytest
 from conftest import EXPECTED, applied_without, torch
 
 import gemm_patch
-from gemm_patch import detection
+from gemm_patch.engine import detection
 from gemm_patch.targets.te_overwrite import MOE_TARGET as TARGET
 
 pytestmark = pytest.mark.proves("moe-te-overwrite")
@@ -281,7 +281,7 @@ def test_switched_off_with_fsdp_te_overwrite_by_their_shared_variable(monkeypatc
 
 _UNKNOWN = f"""
 import dataclasses
-import gemm_patch.patcher as _p
+import gemm_patch.engine.patcher as _p
 _p.use_targets(tuple(dataclasses.replace(t, fingerprints={{}}) if t.name == {NAME!r} else t for t in _p.targets()))
 _p.apply()
 import gemm_patch

@@ -28,7 +28,7 @@ import pytest
 from conftest import EXPECTED, applied_without, torch
 
 import gemm_patch
-from gemm_patch import detection
+from gemm_patch.engine import detection
 from gemm_patch.targets.one_rank_scale import TARGET
 
 pytestmark = pytest.mark.proves("fsdp-one-rank-scale")
@@ -304,7 +304,7 @@ def test_premul_sum_through_an_alias_is_unverified(tmp_path):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from source_modules import load_edited_copy
 
-    from gemm_patch import config
+    from gemm_patch.engine import config
     from gemm_patch.targets.one_rank_scale import PREMUL
 
     edited = load_edited_copy(tmp_path, pgb, PREMUL, "_premul_sum", append=f"\n_premul_sum = {PREMUL}\n")

@@ -16,7 +16,7 @@ import pytest
 from conftest import APPLICABLE, torch
 
 import gemm_patch
-from gemm_patch import patcher
+from gemm_patch.engine import patcher
 
 NAME = "megatron.core.tensor_parallel.layers"
 PACKAGE = "megatron.core.tensor_parallel"

@@ -33,9 +33,10 @@ import pytest
 from conftest import EXPECTED, torch
 
 import gemm_patch
-from gemm_patch import config, detection
-from gemm_patch.callsite import fingerprint, parse_method
-from gemm_patch.targets import fsdp_rules, shared_grad
+from gemm_patch.engine import config, detection
+from gemm_patch.engine.callsite import fingerprint, parse_method
+from gemm_patch.targets import shared_grad
+from gemm_patch.upstream import fsdp_rules
 
 pytestmark = pytest.mark.proves("fsdp-wgrad", "fsdp-shared-grad", "mfsdp-shared-grad")
 

@@ -20,7 +20,7 @@ from conftest import expected, module
 from unshard import METHOD, STATEMENT, fsdp_param, megatron_fsdp
 
 import gemm_patch
-from gemm_patch import detection
+from gemm_patch.engine import detection
 from gemm_patch.targets import by_name
 
 pytestmark = pytest.mark.proves("mfsdp-te-overwrite")

@@ -421,7 +421,7 @@ def _persistence_rule():
     """gemm_patch's rule when importable, else the same rule written out (the script has to run
     without gemm_patch too)."""
     try:
-        from gemm_patch.targets.fsdp_rules import main_grad_is_persistent
+        from gemm_patch.upstream.fsdp_rules import main_grad_is_persistent
         return main_grad_is_persistent
     except ImportError:
         def main_grad_is_persistent(param) -> bool:
@@ -435,7 +435,7 @@ def wgrad_rule(rule: str, counts: dict[str, int]):
     """Count (and optionally force) gemm_patch's accumulate/overwrite decision for the fused
     output-layer wgrad. A no-op when gemm_patch is not loaded (nothing calls the rule then).
 
-    The rule is ``gemm_patch.targets.fsdp_rules.wgrad_accumulates``; only the fsdp-wgrad target's
+    The rule is ``gemm_patch.upstream.fsdp_rules.wgrad_accumulates``; only the fsdp-wgrad target's
     own reference to it (``gemm_patch.targets.fsdp_wgrad.wgrad_accumulates``) is replaced, and only
     the calls of ``fsdp_wgrad`` (megatron's output-layer call site) are counted or forced: the
     fsdp-te-overwrite target reads the rules for the TE layers through its own reference and

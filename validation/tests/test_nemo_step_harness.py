@@ -122,7 +122,7 @@ def test_the_watch_leaves_gemm_patch_its_console_handler(tmp_path):
     """gemm_patch adds its stderr handler only to a handler-less logger: watching must not stop it."""
     code = (f"import logging, sys; sys.path.insert(0, {str(NEMO)!r}); import nemo_step; "
             "logging.getLogger('gemm_patch').addFilter(nemo_step.Watch()); "
-            "from gemm_patch.report import emit; emit(logging.INFO, 'nemo-fsdp-gaf: a line')")
+            "from gemm_patch.engine.report import emit; emit(logging.INFO, 'nemo-fsdp-gaf: a line')")
     env = {k: v for k, v in os.environ.items() if not k.startswith("GEMM_PATCH")}
     env.update(PYTHONPATH=str(ROOT), GEMM_PATCH="0")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)

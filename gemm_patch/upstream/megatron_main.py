@@ -4,7 +4,7 @@ Main reports the coming release's version (megatron-core "0.20.0", megatron-fsdp
 which must never be mistaken for that release: its fingerprints are keyed ``main@<commit>``.
 """
 
-from ..release_data import main_commit
+from ..engine.release_data import main_commit
 
 COMMIT = main_commit()
 RELEASE = f"main@{COMMIT[:8]}"  # the key of main's line in a target's fingerprint table

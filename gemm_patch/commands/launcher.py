@@ -22,7 +22,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-BOOTSTRAP_DIR = Path(__file__).resolve().parent / "bootstrap"
+BOOTSTRAP_DIR = Path(__file__).resolve().parent.parent / "bootstrap"
 
 
 def _is_bootstrap(entry: str) -> bool:

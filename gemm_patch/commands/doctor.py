@@ -71,8 +71,9 @@ def _check(backend, a, b, out_init, accumulate, torch) -> tuple[bool, str]:
 def run_checks(device: str | None = None, dispatcher=None, seed: int = 0) -> Report:
     import torch
 
-    from . import __version__, config
-    from .dispatcher import active_dispatcher
+    from .. import __version__
+    from ..engine import config
+    from ..gemm.dispatcher import active_dispatcher
 
     try:
         setting, config_error = config.load().backend, None
@@ -172,7 +173,7 @@ def patch_summary(import_targets: bool = True) -> str:
     """One line on the patch itself: the state of each target (importing them first)."""
     import gemm_patch
 
-    from .patcher import import_target_modules
+    from ..engine.patcher import import_target_modules
 
     if import_targets:
         import_target_modules()

@@ -49,14 +49,14 @@ def _apply_as_on_import() -> None:
     own words (``gemm-patch status: ...``), not also as a log line."""
     import gemm_patch
 
-    from . import config
+    from ..engine import config
 
     if _config_error() is None or config.strict_requested():  # strict mode refuses it, in one line
         gemm_patch._auto_apply()
 
 
 def _config_error() -> str | None:
-    from . import config, patcher
+    from ..engine import config, patcher
 
     if not config.enabled():
         return None
@@ -76,7 +76,7 @@ def import_targets_quietly() -> int:
     import logging
     import warnings
 
-    from .patcher import import_target_modules
+    from ..engine.patcher import import_target_modules
 
     with warnings.catch_warnings(record=True) as caught:
         import_target_modules()
@@ -179,7 +179,7 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
+    from .. import __version__
 
     parser = argparse.ArgumentParser(prog="gemm-patch", description=DESCRIPTION, epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -236,7 +236,7 @@ def _one_line(exc: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from . import GemmPatchError
+    from .. import GemmPatchError
 
     args = build_parser().parse_args(argv)
     try:

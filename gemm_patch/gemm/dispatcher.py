@@ -14,7 +14,7 @@ import threading
 
 import torch
 
-from . import config
+from ..engine import config
 from .backends import Backend, all_backends
 
 log = logging.getLogger("gemm_patch")

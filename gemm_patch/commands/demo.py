@@ -5,8 +5,8 @@ from __future__ import annotations
 import io
 import sys
 
-from .target import NOT_APPLICABLE, OFF, PATCHED_STATES
-from .targets.fsdp_wgrad import TARGET as FSDP_WGRAD
+from ..engine.target import NOT_APPLICABLE, OFF, PATCHED_STATES
+from ..targets.fsdp_wgrad import TARGET as FSDP_WGRAD
 
 
 def _fsdp_step(layers, torch, main_dtype, device, tokens=512, hidden=1024, out_features=2048, seed=0):
@@ -69,7 +69,7 @@ def main(out: io.TextIOBase | None = None, note: str | None = None) -> int:
         import torch
     except ImportError as exc:
         return _stop(f"needs torch and megatron-core importable: {exc}", 2)
-    from .dispatcher import active_dispatcher
+    from ..gemm.dispatcher import active_dispatcher
 
     st = gemm_patch.status()
     target = _target(st)

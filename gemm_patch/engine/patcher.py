@@ -151,7 +151,7 @@ def apply_quietly(strict: bool | None = None) -> None:
         configure_logging(cfg.log_level)
         _state.cfg = cfg
         config.set_current(cfg)
-        dispatcher = sys.modules.get(f"{__package__}.dispatcher")  # never imported here: it imports torch
+        dispatcher = sys.modules.get("gemm_patch.gemm.dispatcher")  # never imported here: it imports torch
         if dispatcher is not None:
             dispatcher.follow_configuration()
         for target in _targets:
@@ -343,7 +343,7 @@ def _distribution_version(module: types.ModuleType) -> str | None:
 
 
 def _backend_summary() -> str:
-    from .dispatcher import active_dispatcher
+    from ..gemm.dispatcher import active_dispatcher
 
     return "backends " + ">".join(active_dispatcher().order)
 
@@ -417,7 +417,7 @@ def _recorded_without(target: Target, version: str | None) -> bool:
 
 def status() -> Status:
     """A structured snapshot: versions, each target's state and reason, the backend order."""
-    from . import __version__
+    from .. import __version__
 
     with _lock:
         cfg, config_error = _state.cfg, _state.config_error
@@ -430,7 +430,7 @@ def status() -> Status:
         statuses = [_live_status(t, cfg) for t in _targets]
         backends: dict = {}
         if "torch" in sys.modules and config_error is None:  # never pull torch in just to describe backends
-            from .dispatcher import active_dispatcher
+            from ..gemm.dispatcher import active_dispatcher
 
             backends = active_dispatcher().describe()
         fields = {}

@@ -12,7 +12,7 @@ import ast
 import types
 from dataclasses import dataclass, field
 
-from .callsite import fingerprint, parse_module
+from ..engine.callsite import fingerprint, parse_module
 
 
 @dataclass

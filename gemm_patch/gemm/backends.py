@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import config
+from ..engine import config
 
 _HALF = (torch.bfloat16, torch.float16)
 

@@ -55,7 +55,7 @@ def main() -> int:
     x = torch.randn(tokens, batch, hidden, device=device, generator=gen).to(torch.bfloat16)
     target = torch.randn(tokens, batch, hidden, device=device, generator=gen).to(torch.bfloat16)
     status = gemm_patch.status()
-    from gemm_patch.gemm.dispatcher import active_dispatcher
+    from gemm_patch.gemm.active import active_dispatcher
 
     probe = torch.empty(1, 1, device=device, dtype=torch.bfloat16)
     backend = active_dispatcher().plan_for(probe, probe, probe.float(), accumulate=True)[0]

@@ -136,7 +136,7 @@ def test_the_dispatcher_follows_the_latest_apply(monkeypatch):
     """A new GEMM_PATCH_BACKEND, then apply() (again, or after revert()): the dispatcher runs in
     the order status() shows (0.3.0 kept the order of its first use)."""
     import gemm_patch
-    from gemm_patch.gemm.dispatcher import active_dispatcher
+    from gemm_patch.gemm.active import active_dispatcher
 
     try:
         for backend, order, revert in (("fallback", ("fallback",), False), ("native", ("native", "fallback"), False),

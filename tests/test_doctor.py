@@ -79,6 +79,24 @@ def test_doctor_fails_when_the_active_backend_is_wrong():
     assert "result: FAILED" in doctor.format_report(report)
 
 
+def test_doctor_names_the_backend_the_patch_applied(monkeypatch):
+    """The setting the report names is the one the dispatcher runs, the patcher's reading of
+    the last apply(): a variable changed since is not read again behind its back."""
+    import gemm_patch
+
+    monkeypatch.setenv("GEMM_PATCH_BACKEND", "fallback")
+    try:
+        gemm_patch.apply()
+        monkeypatch.setenv("GEMM_PATCH_BACKEND", "native")
+        report = doctor.run_checks("cpu")
+        assert report.backend_setting == "fallback"
+        assert {c.active for c in report.cases} == {"fallback"}, report.cases
+    finally:
+        monkeypatch.delenv("GEMM_PATCH_BACKEND")
+        gemm_patch.revert()
+        gemm_patch.apply()
+
+
 def test_status_json_keeps_its_schema():
     proc = cli("status", "--json", "--no-import")
     assert proc.returncode == 0, proc.stderr

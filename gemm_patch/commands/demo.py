@@ -69,7 +69,7 @@ def main(out: io.TextIOBase | None = None, note: str | None = None) -> int:
         import torch
     except ImportError as exc:
         return _stop(f"needs torch and megatron-core importable: {exc}", 2)
-    from ..gemm.dispatcher import active_dispatcher
+    from ..gemm.active import active_dispatcher
 
     st = gemm_patch.status()
     target = _target(st)

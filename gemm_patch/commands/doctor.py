@@ -71,14 +71,11 @@ def _check(backend, a, b, out_init, accumulate, torch) -> tuple[bool, str]:
 def run_checks(device: str | None = None, dispatcher=None, seed: int = 0) -> Report:
     import torch
 
-    from .. import __version__
-    from ..engine import config
-    from ..gemm.dispatcher import active_dispatcher
+    import gemm_patch
 
-    try:
-        setting, config_error = config.load().backend, None
-    except config.ConfigError as exc:
-        setting, config_error = "auto", str(exc)
+    from ..gemm.active import active_dispatcher
+
+    st = gemm_patch.status()  # GEMM_PATCH_BACKEND as the patcher read it: the variables are parsed there only
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dispatcher = dispatcher if dispatcher is not None else active_dispatcher()
     unavailable = {name: why for name, b in dispatcher.backends.items()
@@ -114,7 +111,7 @@ def run_checks(device: str | None = None, dispatcher=None, seed: int = 0) -> Rep
             result.problem = (f"GEMM_PATCH_BACKEND={dispatcher.forced} is missing ({why}); "
                               f"{result.active} would run instead")
         cases.append(result)
-    return Report(__version__, device, torch.__version__, setting, config_error, unavailable, cases)
+    return Report(st.version, device, torch.__version__, st.backend, st.config_error, unavailable, cases)
 
 
 def _short(dtype) -> str:

@@ -153,17 +153,3 @@ def load(env: Mapping[str, str] | None = None,
         choices=chosen,
     )
 
-
-# The configuration the patcher applied last (None: not applied, reverted, or a bad value): the
-# dispatcher reads its backend here, so that it never needs the patcher.
-_current: Config | None = None
-
-
-def set_current(cfg: Config | None) -> None:
-    global _current
-    _current = cfg
-
-
-def current_backend() -> str:
-    """GEMM_PATCH_BACKEND as the last apply() read it (``auto`` before, or after a bad value)."""
-    return _current.backend if _current is not None else "auto"

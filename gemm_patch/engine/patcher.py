@@ -22,6 +22,7 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from ..gemm import active
 from . import config, detection, imports
 from .callsite import same_function
 from .report import Status, SummaryLog, configure_logging, emit, log
@@ -150,10 +151,7 @@ def apply_quietly(strict: bool | None = None) -> None:
             return
         configure_logging(cfg.log_level)
         _state.cfg = cfg
-        config.set_current(cfg)
-        dispatcher = sys.modules.get("gemm_patch.gemm.dispatcher")  # never imported here: it imports torch
-        if dispatcher is not None:
-            dispatcher.follow_configuration()
+        active.use_backend(cfg.backend)
         for target in _targets:
             if target.name not in _state.statuses or _state.statuses[target.name].state == OFF:
                 off = target.switched_off(cfg)
@@ -198,7 +196,6 @@ def revert() -> Status:
     left as it is, with one warning."""
     with _lock:
         _state.cfg = None
-        config.set_current(None)
         for name, installs in list(_state.installs.items()):
             left = []
             for install in reversed(installs):
@@ -343,9 +340,7 @@ def _distribution_version(module: types.ModuleType) -> str | None:
 
 
 def _backend_summary() -> str:
-    from ..gemm.dispatcher import active_dispatcher
-
-    return "backends " + ">".join(active_dispatcher().order)
+    return "backends " + ">".join(active.active_dispatcher().order)
 
 
 def _warn_once(key: str, message: str) -> None:
@@ -430,9 +425,7 @@ def status() -> Status:
         statuses = [_live_status(t, cfg) for t in _targets]
         backends: dict = {}
         if "torch" in sys.modules and config_error is None:  # never pull torch in just to describe backends
-            from ..gemm.dispatcher import active_dispatcher
-
-            backends = active_dispatcher().describe()
+            backends = active.active_dispatcher().describe()
         fields = {}
         for target, st in zip(_targets, statuses, strict=True):
             fields.update(target.status_fields(st))

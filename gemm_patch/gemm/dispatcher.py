@@ -166,26 +166,3 @@ def _warn_once(key: str, message: str) -> None:
         _warned.add(key)
         log.warning(message)
 
-
-_active: WgradDispatcher | None = None
-
-
-def active_dispatcher() -> WgradDispatcher:
-    """The process-wide dispatcher, built on first use from the current configuration."""
-    global _active
-    if _active is None:
-        _active = WgradDispatcher(config.current_backend())
-    return _active
-
-
-def follow_configuration() -> None:
-    """``apply()`` read the variables again: a dispatcher built for another GEMM_PATCH_BACKEND
-    is dropped, and the next call builds one in the order of that apply()."""
-    global _active
-    if _active is not None and _active.forced != config.current_backend():
-        _active = None
-
-
-def reset_active_dispatcher() -> None:
-    global _active
-    _active = None

@@ -46,7 +46,7 @@ _MARKER = "__gemm_patch_stand_in__"
 
 def apex_wgrad(total_input: Any, grad_output: Any, main_grad: Any) -> None:
     """apex's ``wgrad_gemm_accum_fp32/fp16(total_input, grad_output, main_grad)``."""
-    from ..gemm.dispatcher import active_dispatcher
+    from ..gemm.active import active_dispatcher
 
     # apex folds leading dimensions into the token dimension ([s, b, h] -> [s*b, h]).
     total_input = total_input.reshape(-1, total_input.shape[-1])

@@ -59,7 +59,7 @@ _active_dispatcher = None  # dispatcher.active_dispatcher, bound on the first ca
 def _dispatcher() -> Any:
     global _active_dispatcher
     if _active_dispatcher is None:
-        from ..gemm.dispatcher import active_dispatcher
+        from ..gemm.active import active_dispatcher
 
         _active_dispatcher = active_dispatcher
     return _active_dispatcher()

@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
-from gemm_patch.gemm import dispatcher as dispatch  # noqa: E402
+from gemm_patch.gemm import active as dispatch  # noqa: E402
 from gemm_patch.gemm.dispatcher import WgradDispatcher  # noqa: E402
 from gemm_patch.targets.apex_wgrad import apex_wgrad  # noqa: E402
 

@@ -68,7 +68,7 @@ def test_patched_backward_in_a_cuda_graph(backend, monkeypatch):
     import megatron.core.tensor_parallel.layers as layers
 
     import gemm_patch
-    from gemm_patch.gemm import dispatcher
+    from gemm_patch.gemm import active as dispatcher
 
     gemm_patch.apply()
     dispatcher.reset_active_dispatcher()
@@ -115,7 +115,7 @@ def test_te_failure_hands_over_to_native_without_corrupting_training(caplog):
     import megatron.core.tensor_parallel.layers as layers
 
     import gemm_patch
-    from gemm_patch.gemm import dispatcher
+    from gemm_patch.gemm import active as dispatcher
 
     gemm_patch.apply()
 

@@ -14,6 +14,7 @@ from .engine.patcher import GemmPatchError, Status, apply, revert, status  # noq
 from .targets import REGISTRY as _REGISTRY  # noqa: E402
 
 _patcher.use_targets(_REGISTRY)
+_patcher.use_version(__version__)
 
 __all__ = ["GemmPatchError", "Status", "__version__", "apply", "revert", "status"]
 

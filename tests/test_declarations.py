@@ -6,7 +6,7 @@ trigger declared in one place and missing from another fails here.
   start-up hook's ``TRIGGERS`` (a literal, so that a process never importing megatron never
   imports gemm_patch), the tests' ``proves`` markers, the docs' table of target modules and
   their switches follow it;
-- backends: ``config.BACKEND_ORDER`` names them; ``backends.all_backends()``,
+- backends: ``gemm.BACKEND_ORDER`` names them; ``backends.all_backends()``,
   ``dispatcher.DEFAULT_ORDER`` and ``config.BACKEND_CHOICES`` follow it;
 - the pytest markers the matrix and compat/adopt.py read are registered in pyproject.toml;
 - docs/development.md's recipes "Add a target" and "Add a backend" name files that exist.
@@ -53,14 +53,15 @@ def test_triggers_are_the_top_level_packages_of_the_registered_targets():
 
 def test_backends_are_registered_once():
     pytest.importorskip("torch")
+    from gemm_patch import gemm
     from gemm_patch.gemm import backends, dispatcher
 
     defined = {obj.name for obj in vars(backends).values()
                if isinstance(obj, type) and issubclass(obj, backends.Backend) and obj is not backends.Backend}
-    assert set(config.BACKEND_ORDER) == defined, "every backend class is named in config.BACKEND_ORDER"
-    assert tuple(backends.all_backends()) == config.BACKEND_ORDER == dispatcher.DEFAULT_ORDER
-    assert config.BACKEND_CHOICES == ("auto", *config.BACKEND_ORDER)
-    assert dispatcher.WgradDispatcher().order == config.BACKEND_ORDER
+    assert set(gemm.BACKEND_ORDER) == defined, "every backend class is named in gemm.BACKEND_ORDER"
+    assert tuple(backends.all_backends()) == gemm.BACKEND_ORDER == dispatcher.DEFAULT_ORDER
+    assert config.BACKEND_CHOICES == ("auto", *gemm.BACKEND_ORDER)
+    assert dispatcher.WgradDispatcher().order == gemm.BACKEND_ORDER
 
 
 def _proves_markers() -> dict[str, set[str]]:

@@ -42,7 +42,8 @@ from .target import (
     read_states_with,
 )
 
-__all__ = ["GemmPatchError", "Status", "apply", "revert", "status", "import_target_modules", "log", "use_targets"]
+__all__ = ["GemmPatchError", "Status", "apply", "revert", "status", "import_target_modules", "log", "use_targets",
+           "use_version"]
 
 DISABLED_REASON = "GEMM_PATCH=0: nothing is applied, through any entry point"
 
@@ -86,6 +87,7 @@ _lock = threading.RLock()
 _state = _State()
 _targets: tuple[Target, ...] = ()
 _components: dict[str, str] = {}  # top-level package of a target module -> its distribution
+_version = "unknown"  # gemm_patch's own, for status()
 
 
 def use_targets(targets: Sequence[Target]) -> None:
@@ -95,6 +97,12 @@ def use_targets(targets: Sequence[Target]) -> None:
         _targets = tuple(targets)
         _components = {t.module.split(".")[0]: t.distribution for t in _targets}
         read_states_with(lambda: {t.name: t.state for t in status().targets})
+
+
+def use_version(version: str) -> None:
+    """gemm_patch's version, as status() reports it; set once, at ``import gemm_patch``."""
+    global _version
+    _version = version
 
 
 def targets() -> tuple[Target, ...]:
@@ -412,8 +420,6 @@ def _recorded_without(target: Target, version: str | None) -> bool:
 
 def status() -> Status:
     """A structured snapshot: versions, each target's state and reason, the backend order."""
-    from .. import __version__
-
     with _lock:
         cfg, config_error = _state.cfg, _state.config_error
         enabled = config.enabled()
@@ -430,7 +436,7 @@ def status() -> Status:
         for target, st in zip(_targets, statuses, strict=True):
             fields.update(target.status_fields(st))
         meanings = {state: meaning for t in _targets for state, meaning in t.extra_states.items()}
-        return Status(__version__, _state.cfg is not None, (cfg or config.Config()).strict,
+        return Status(_version, _state.cfg is not None, (cfg or config.Config()).strict,
                       (cfg or config.Config()).backend, config_error, detection.installed_versions(), statuses,
                       backends, fields, None if enabled else DISABLED_REASON,
                       {t.name: t.distribution for t in _targets}, meanings)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..engine import config
+from . import BACKEND_ORDER
 
 _HALF = (torch.bfloat16, torch.float16)
 
@@ -184,6 +184,6 @@ class ExactFallbackBackend(Backend):
 
 def all_backends() -> dict[str, Backend]:
     """One fresh instance of each backend of this module, by name, in the default preference
-    order (``config.BACKEND_ORDER``, which names every one of them)."""
+    order (``BACKEND_ORDER``, which names every one of them)."""
     classes = {cls.name: cls for cls in Backend.__subclasses__() if cls.__module__ == __name__}
-    return {name: classes[name]() for name in config.BACKEND_ORDER}
+    return {name: classes[name]() for name in BACKEND_ORDER}

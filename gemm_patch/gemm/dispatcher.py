@@ -14,12 +14,12 @@ import threading
 
 import torch
 
-from ..engine import config
+from . import BACKEND_ORDER
 from .backends import Backend, all_backends
 
 log = logging.getLogger("gemm_patch")
 
-DEFAULT_ORDER = config.BACKEND_ORDER  # why this order: config.BACKEND_ORDER
+DEFAULT_ORDER = BACKEND_ORDER  # why this order: gemm_patch/gemm/__init__.py
 
 
 class WgradDispatcher:

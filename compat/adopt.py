@@ -18,7 +18,7 @@ the targets its ``proves`` marker names (``@pytest.mark.proves("fsdp-wgrad")``; 
 tests name their target's), which compat/matrix_quick.py writes into the junit report.
 
 A target is recorded only where at least one of its tests passed and none failed: one line in
-its table in gemm_patch/releases.json, in version order (a release) or keyed ``main@<8 hex>`` (a
+its table in gemm_patch/engine/releases.json, in version order (a release) or keyed ``main@<8 hex>`` (a
 commit; the file's ``megatron_main`` commit moves to it only where every applicable target
 passes). A release also joins compat/matrix.json. Nothing else is written: adopting a release
 changes data files only. A target whose test fails stays unverified: the test and the first
@@ -287,7 +287,7 @@ def move_main(data: dict, commit: str) -> None:
 
 
 def dump_releases(data: dict) -> str:
-    """gemm_patch/releases.json's text for ``data``: one entry a line, so a release is a line."""
+    """gemm_patch/engine/releases.json's text for ``data``: one entry a line, so a release is a line."""
     return json.dumps(data, indent=2, ensure_ascii=False) + "\n"
 
 
@@ -362,7 +362,7 @@ def measure(codes: list[Code], say) -> dict[str, Verdict]:
 
 def record(codes: list[Code], all_verdicts: dict[str, Verdict], complete: bool, root: Path, dry_run: bool,
            say) -> bool:
-    """Write what passed into the data files under ``root`` (gemm_patch/releases.json,
+    """Write what passed into the data files under ``root`` (gemm_patch/engine/releases.json,
     compat/matrix.json) and nothing else; False where a commit is not adopted at all."""
     releases_file, matrix_file = root / RELEASES, root / MATRIX_JSON
     releases_text = releases_file.read_text()

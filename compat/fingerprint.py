@@ -4,7 +4,7 @@ releases found on sys.path: one line per target whose module imports.
     PYTHONPATH=compat/.cache/mcore-0.17.1:. python compat/fingerprint.py
     PYTHONPATH=compat/.cache/mfsdp-0.6.1:. python compat/fingerprint.py
 
-Each line is one entry of the target's ``fingerprints`` table in gemm_patch/releases.json (what
+Each line is one entry of the target's ``fingerprints`` table in gemm_patch/engine/releases.json (what
 compat/adopt.py records once the target's tests pass); the comment says whether the value is
 recorded for this release already, or for another.
 """

@@ -1,4 +1,4 @@
-"""gemm_patch/releases.json, the release data of every target: its schema, its agreement with the
+"""gemm_patch/engine/releases.json, the release data of every target: its schema, its agreement with the
 registry, and the form compat/adopt.py writes (so an adoption's diff is the new lines only)."""
 
 from __future__ import annotations

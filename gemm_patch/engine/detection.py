@@ -23,7 +23,7 @@ _ALSO_NAMED: dict[str, tuple[str, ...]] = {
 }
 
 # The components whose versions are reported, each with the distribution names to try (first
-# found wins): those whose versions key the targets' tables (gemm_patch/releases.json), then
+# found wins): those whose versions key the targets' tables (gemm_patch/engine/releases.json), then
 # torch (the GEMM) and apex (what apex-wgrad stands in for).
 DISTRIBUTIONS: dict[str, tuple[str, ...]] = {
     name: (name, *_ALSO_NAMED.get(name, ())) for name in (*release_data.distributions(), "torch", "apex")}

@@ -8,7 +8,8 @@ classes it had patched. ``revert()`` replays each install's undo list, leaving a
 reporting) whatever is no longer gemm_patch's. One lock makes both idempotent and thread-safe;
 the watches stay, and do nothing while the patch is reverted (they still note each execution).
 
-The patcher knows no target by name: the package hands it the registry (``use_targets``).
+The patcher knows no target by name: the package hands it the registry (``use_targets``) and its
+version (``use_version``).
 """
 
 from __future__ import annotations

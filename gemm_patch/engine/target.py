@@ -4,7 +4,7 @@
 variable, declared as data) -> ``inspect`` the live module -> judge the fingerprint against the
 recorded releases -> ``install`` through an ``Undo`` that can put back exactly what it replaced.
 A target supplies ``inspect`` and ``install``; its release data (the fingerprints of each
-release) is in ``gemm_patch/releases.json``, under its name.
+release) is in ``gemm_patch/engine/releases.json``, under its name.
 """
 
 from __future__ import annotations
@@ -196,7 +196,7 @@ class Target:
     distribution: str  # whose version keys ``fingerprints``
     module: str  # the module whose import triggers the patch
     # Public release -> fingerprint of the code relied on. None (the default): the target's
-    # entry in gemm_patch/releases.json, as is ``fixed_upstream``; tests pass tables of their own.
+    # entry in gemm_patch/engine/releases.json, as is ``fixed_upstream``; tests pass tables of their own.
     fingerprints: Mapping[str, str] = None  # type: ignore[assignment]
     switch: str = ""  # the variable that turns this target off; "" derives GEMM_PATCH_<NAME>
     default_on: bool = True  # False: opt-in, the variable must be set to 1

@@ -1,7 +1,7 @@
 """Everything gemm_patch patches: one module per fix a user can switch, one line per target here.
 
-A new target is a ``Target`` (see ``gemm_patch.target``) in the module of its fix and a line in
-``REGISTRY`` and an entry in gemm_patch/releases.json (its release data); a new release of a
+A new target is a ``Target`` (see ``gemm_patch.engine.target``) in the module of its fix and a line in
+``REGISTRY`` and an entry in gemm_patch/engine/releases.json (its release data); a new release of a
 known target is one line in that entry's ``fingerprints``.
 """
 

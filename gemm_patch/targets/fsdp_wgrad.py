@@ -53,7 +53,7 @@ TE_CALL = ('te_general_gemm(total_input, grad_output, out_dtype=weight.main_grad
            'out=weight.main_grad, grad=True)')
 
 
-_active_dispatcher = None  # dispatcher.active_dispatcher, bound on the first call (it imports torch)
+_active_dispatcher = None  # gemm.active.active_dispatcher, bound on the first call
 
 
 def _dispatcher() -> Any:

@@ -197,7 +197,7 @@ def _edit_both(funcdef: ast.FunctionDef) -> None:
 class SharedGradTarget(MethodTarget):
     # Fingerprints of the method where every module call's weight arguments pass through the
     # identity Function (0.14-0.15): the twin keeps Megatron-FSDP parameters out of it there.
-    # None (the default): the target's entry in gemm_patch/releases.json.
+    # None (the default): the target's entry in gemm_patch/engine/releases.json.
     param_arg_fingerprints: frozenset[str] = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:

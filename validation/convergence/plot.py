@@ -1,6 +1,6 @@
 """Validation loss curves from validation/convergence/results.json (nothing else is read).
 
-    python validation/convergence/plot.py [--results FILE] [--png FILE]
+    python -m validation.convergence.plot [--results FILE] [--png FILE]
 
 One panel per release of the dense convergence runs, then one per release of the MoE runs (mode
 ``moe``); one line per run that logged a validation loss (patched, fusion off per seed, correctness

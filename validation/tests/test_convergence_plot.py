@@ -4,15 +4,13 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
+from validation.convergence import parse_logs, plot
+
 CONV = Path(__file__).resolve().parents[2] / "validation" / "convergence"
-sys.path.insert(0, str(CONV))
-import parse_logs  # noqa: E402
-import plot  # noqa: E402
 
 FIXTURE = {"runs": [
     {"release": "0.17.1", "mode": "convergence", "config": "patched", "seed": 1234,

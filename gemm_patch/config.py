@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 # The GEMM backends (gemm_patch/backends.py, one class each) in the default preference order.
-# native first: on the H200 (torch 2.11, TE 2.20.2) native and TE gave bitwise-identical
-# main_grads (also identical to megatron-core 0.19.2's own TE call) at the same GPU time, and
-# native costs 14.6 us of host time per call against TE's 48 us (benchmarks/results/). TE stays
-# next for torch builds without mm(..., out_dtype=); the exact fallback is always last.
+# native first: on a GPU native and TE write bitwise-identical main_grads (also identical to
+# megatron-core 0.19.2's own TE call) at the same GPU time, and native costs less host time per
+# call (docs/validation.md). TE stays next for torch builds without mm(..., out_dtype=); the
+# exact fallback is always last.
 BACKEND_ORDER = ("native", "te", "fallback")
 BACKEND_CHOICES = ("auto", *BACKEND_ORDER)  # GEMM_PATCH_BACKEND
 LOG_LEVEL_CHOICES = ("DEBUG", "INFO", "WARNING", "ERROR")

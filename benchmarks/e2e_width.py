@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "validation" / "parity" / "train_gpt_fsdp.py"
+SCRIPT = "validation.parity.train_gpt_fsdp"  # run as a module from the repository root
 MODEL = {"layers": 4, "hidden": 4096, "seq": 4096, "vocab": 128256, "micro_batch_size": 1,
          "micro_batches": 4, "sharding": "optim_grads_params", "steps": 10, "untimed": 2}
 # The second, wider model: hidden 8192, 2 layers (FFN 32768), same vocabulary.
@@ -68,7 +68,7 @@ def flops_per_token(m: dict[str, Any]) -> float:
 
 def command(config: str, gpus: int, name: str, part: Path, probe_dir: Path | None) -> list[str]:
     m = MODEL
-    cmd = ["torchrun", "--standalone", f"--nproc-per-node={gpus}", str(SCRIPT), "--name", name,
+    cmd = ["torchrun", "--standalone", f"--nproc-per-node={gpus}", "-m", SCRIPT, "--name", name,
            "--out", str(part), "--layers", str(m["layers"]), "--hidden", str(m["hidden"]),
            "--seq", str(m["seq"]), "--vocab", str(m["vocab"]), "--micro-batch-size", str(m["micro_batch_size"]),
            "--micro-batches", str(m["micro_batches"]), "--sharding", m["sharding"],

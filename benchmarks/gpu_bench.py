@@ -1,6 +1,6 @@
 """Weight-gradient GEMM into main_grad on the current GPU, every way side by side, one run.
 
-    python benchmarks/gpu_bench.py --json results.json      # needs CUDA; TE optional
+    python -m benchmarks.gpu_bench --json results.json      # needs CUDA; TE optional
 
 Overwrite (Megatron-FSDP's call, fp32 main_grad from bf16 activations):
   matmul_bf16    torch.matmul(a, b, out=bf16 main_grad)       what users run today; the bar

@@ -14,7 +14,7 @@ Per call, with a megatron-core release on the path (compat/matrix.py's ``release
   * the tied weight's zeros dummy: ``broadcast_zero`` against megatron's ``torch.zeros`` at a small
     shape (the host side; the GPU side is in the table below).
 
-    python compat/.cache/venv-3.12/bin/python benchmarks/hook_overhead.py [--json out.json]
+    compat/.cache/venv-3.12/bin/python -m benchmarks.hook_overhead [--json out.json]
     (with PYTHONPATH=compat/isolate:compat/.cache/mcore-0.19.2-py3.12:.)
 
 The GPU table is arithmetic, not a measurement: bytes each fix reads or writes in HBM per

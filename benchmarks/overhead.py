@@ -4,7 +4,7 @@
    proof that it imports neither torch, TE nor megatron;
 2. the dispatcher's own cost per call on top of the backend it calls (tiny GEMM, median).
 
-    python benchmarks/overhead.py [--runs 30] [--json out.json]
+    python -m benchmarks.overhead [--runs 30] [--json out.json]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Chart of benchmarks/gpu_bench.py results: time per method per shape relative to the bf16
 GEMM (the line at 1.0).
 
-    python benchmarks/plot_gpu_bench.py benchmarks/results/gpu_bench_h200.json benchmarks/results/gpu_bench_h200.png
+    python -m benchmarks.plot_gpu_bench benchmarks/results/gpu_bench_h200.json benchmarks/results/gpu_bench_h200.png
 """
 
 from __future__ import annotations

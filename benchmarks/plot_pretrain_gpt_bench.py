@@ -4,7 +4,7 @@ each (release, tied/untied, configuration) with one dot per round and its ratio 
 the same model, and megatron's memory report (allocated between steps, max allocated) with the
 difference to fusion off's.
 
-    python benchmarks/plot_pretrain_gpt_bench.py RECORDS.jsonl CHART.png
+    python -m benchmarks.plot_pretrain_gpt_bench RECORDS.jsonl CHART.png
 """
 
 from __future__ import annotations

@@ -3,11 +3,11 @@
 (megatron as shipped) against fusion on under gemm-patch, tied and untied embeddings, each of
 gemm-patch's fixes switched off alone, bf16 main grads; one process at a time on one GPU.
 
-    python benchmarks/pretrain_gpt_bench.py --out OUT/pretrain_gpt.jsonl [--plan core,untied] [--rounds 3]
+    python -m benchmarks.pretrain_gpt_bench --out OUT/pretrain_gpt.jsonl [--plan core,untied] [--rounds 3]
         [--size hidden4096|hidden2048] [--iters N] [--manual-gc N] [--cpus LIST] [--profile START:END]
         [--upstream DIR] [--kit /tmp/gp] [--dry]
-    python benchmarks/pretrain_gpt_bench.py --summary OUT/pretrain_gpt.jsonl     # the table, from records
-    python benchmarks/pretrain_gpt_bench.py --compare --out OUT/x --plan core --iters 10 [--kit /tmp/gp]
+    python -m benchmarks.pretrain_gpt_bench --summary OUT/pretrain_gpt.jsonl     # the table, from records
+    python -m benchmarks.pretrain_gpt_bench --compare --out OUT/x --plan core --iters 10 [--kit /tmp/gp]
         # gemm-patch compare on pretrain_gpt.py per (release, tied) of the plan
 
 Model (``--size``): ``hidden4096``: 4 layers, hidden 4096, FFN 16384, 32 heads, sequence 4096,
@@ -66,13 +66,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "validation" / "convergence"))
-import profile_trace  # noqa: E402
-from parse_logs import ERROR_RE, _first_cause  # noqa: E402  (the convergence runs' error line)
+from benchmarks import profile_trace
+from gemm_patch.commands.compare import parse_log
+from validation.convergence.parse_logs import ERROR_RE, _first_cause  # the convergence runs' error line
 
-from gemm_patch.commands.compare import parse_log  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 SIZES: dict[str, dict[str, int]] = {
     "hidden4096": {"layers": 4, "hidden": 4096, "ffn": 16384, "heads": 32, "seq": 4096, "mbs": 1, "gbs": 4,

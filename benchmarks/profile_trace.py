@@ -12,7 +12,7 @@ These are sums of durations, so they do not move with the host's drift the way a
 does: two configurations' kernel times can be compared at a few tenths of a percent where their
 step times scatter by tens of percent.
 
-    python benchmarks/profile_trace.py TRACE [TRACE ...] [--json OUT]
+    python -m benchmarks.profile_trace TRACE [TRACE ...] [--json OUT]
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ alike; the budget is judged on paired differences (per round, then the median), 
 ``GEMM_PATCH_AUTO=1`` costs over the unset switch in the same moment. It also checks which
 modules each configuration has loaded at exit (by sys.modules and ``-X importtime``).
 
-    python benchmarks/startup.py [--runs 40] [--old REF] [--megatron DIR] [--out benchmarks/results]
+    python -m benchmarks.startup [--runs 40] [--old REF] [--megatron DIR] [--out benchmarks/results]
 """
 
 from __future__ import annotations
@@ -47,7 +47,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 from gemm_patch.commands.launcher import launch_env  # noqa: E402
 
 BUDGET_MS = 5.0
@@ -289,7 +288,7 @@ PROCESS = {"pass": "`python -c pass` (never imports megatron)",
 
 def render(result: dict) -> str:
     lines = [f"# Start-up cost of gemm_patch's zero-code entry points ({result['date']})", "",
-             f"`python benchmarks/startup.py --runs {result['runs']}"
+             f"`python -m benchmarks.startup --runs {result['runs']}"
              + (f" --old {result['old']}" if result["old"] else "")
              + (f" --megatron {result['megatron']} --megatron-runs {result['megatron_runs']}"
                 if result["megatron"] else "") + "`",

@@ -15,14 +15,18 @@ the targets' modules and reports ``gemm_patch.status()``. The release is the onl
 child sees: compat/isolate, first on its PYTHONPATH, hides a megatron-core or megatron-fsdp
 installed in the interpreter's own site-packages (``release_env``).
 
-Python: a release whose Requires-Python is above this interpreter (megatron-core >= 0.17 needs
-3.12) runs in a venv of a matching interpreter (``python3.12`` on PATH or under pyenv) built once
-in compat/.cache/venv-3.12 with the same torch release; where there is none, or with
-``--fallback`` / ``GEMM_PATCH_MATRIX_FALLBACK=1``, it runs here, installed with
-``--ignore-requires-python``, and every line and the report say so.
+Python: of the releases whose Requires-Python is above this interpreter (megatron-core >= 0.17
+declares 3.12), the newest of each component runs in a venv of a matching interpreter
+(``python3.12`` on PATH or under pyenv), built once in compat/.cache/venv-3.12 with the same torch
+release: one lane per floor. The older ones run here, installed with ``--ignore-requires-python``
+(their code imports and passes on 3.11), and their lines and the report say so. Why one lane:
+PyPI has no CPU build of torch for Linux, so that venv downloads torch with its CUDA libraries
+(several GB; torch does not import without them). ``--native`` / ``GEMM_PATCH_MATRIX_NATIVE=1``
+runs every such release in its floor's venv; ``--fallback`` / ``GEMM_PATCH_MATRIX_FALLBACK=1``
+runs them all here, as does a machine with no such Python.
 
 Whole folder or quick: releases whose recorded fingerprints are identical for every target
-(0.15.0-0.15.3, say) form a group; the newest of each group (per interpreter) runs the whole
+(0.15.0-0.15.3, say) form a group; the newest of each group (in any interpreter) runs the whole
 test folder, the others every test but those that start a Python process (compat/matrix_quick.py
 says why). ``--full`` / ``GEMM_PATCH_MATRIX_FULL=1`` runs the whole folder everywhere.
 
@@ -125,21 +129,15 @@ def fingerprint_key(release: Release) -> tuple:
     return tuple((t.name, t.fingerprints.get(release.version)) for t in REGISTRY if t.distribution == release.component)
 
 
-def _intended_minor(release: Release) -> tuple[int, ...]:
-    """The interpreter a release is meant to run in: its Requires-Python floor where this one is older."""
-    floor = release.python if release.python and _version_tuple(HERE.version) < _version_tuple(release.python) \
-        else HERE.version
-    return _version_tuple(floor)
-
-
 def plan(releases: Sequence[Release]) -> dict[Release, Release | None]:
     """For each release, None where it runs the whole test folder, else the release of the same
-    group (same component, intended interpreter and recorded fingerprints) that does: the newest."""
+    group (same component and recorded fingerprints) that does: the newest. Their interpreters
+    need not agree (process_elsewhere says why); each release runs every in-process test in its own."""
     if os.environ.get("GEMM_PATCH_MATRIX_FULL") == "1":
         return {r: None for r in releases}
     groups: dict[tuple, list[Release]] = {}
     for release in releases:
-        groups.setdefault((release.component, _intended_minor(release), fingerprint_key(release)), []).append(release)
+        groups.setdefault((release.component, fingerprint_key(release)), []).append(release)
     return {r: (None if r is group[-1] else group[-1]) for group in groups.values() for r in group}
 
 
@@ -185,7 +183,7 @@ class Interpreter:
 
     def describe(self) -> str:
         if self.fallback:
-            return f"Python {self.version} (fallback --ignore-requires-python: {self.fallback})"
+            return f"Python {self.version} with --ignore-requires-python ({self.fallback})"
         return f"Python {self.version}"
 
 
@@ -235,7 +233,7 @@ def ensure_venv(minor: str) -> Interpreter:
     release and the test dependencies, built once. Returns a fallback Interpreter (this one,
     with the reason) where no such Python exists or the venv cannot be built."""
     if os.environ.get("GEMM_PATCH_MATRIX_FALLBACK") == "1":
-        return Interpreter(HERE.python, HERE.version, fallback=f"GEMM_PATCH_MATRIX_FALLBACK=1, needs >={minor}")
+        return Interpreter(HERE.python, HERE.version, fallback=f"declares >={minor}; GEMM_PATCH_MATRIX_FALLBACK=1")
     venv = CACHE / f"venv-{minor}"
     python = venv / "bin" / "python"
     marker = venv / ".complete"
@@ -243,7 +241,7 @@ def ensure_venv(minor: str) -> Interpreter:
         if not marker.exists():
             base = find_python(minor)
             if base is None:
-                return Interpreter(HERE.python, HERE.version, fallback=f"needs >={minor}, no Python {minor} found")
+                return Interpreter(HERE.python, HERE.version, fallback=f"declares >={minor}; no Python {minor} found")
             packages = [_torch_pin(), *VENV_PACKAGES]
             steps = [[base, "-m", "venv", "--clear", str(venv)],
                      [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", *packages]]
@@ -252,7 +250,7 @@ def ensure_venv(minor: str) -> Interpreter:
                 if out.returncode != 0:
                     tail = (out.stderr or out.stdout).strip().splitlines()[-1:] or ["?"]
                     return Interpreter(HERE.python, HERE.version,
-                                       fallback=f"needs >={minor}; building {venv.name} failed: {tail[0]}")
+                                       fallback=f"declares >={minor}; building {venv.name} failed: {tail[0]}")
             marker.write_text(" ".join(packages) + "\n")
     version = subprocess.run([str(python), "-c", "import platform; print(platform.python_version())"],
                              capture_output=True, text=True).stdout.strip()
@@ -384,7 +382,7 @@ def run_release(release: Release | str, interpreter: Interpreter | None = None,
     if isinstance(release, str):
         release = select([release])[0]
     if interpreter is None:
-        interpreter = interpreter_for(release)
+        interpreter = lane(release)
     result = ReleaseResult(release, interpreter, expected_states(release), full_on=full_on)
     start = time.perf_counter()
     try:
@@ -439,6 +437,27 @@ _venvs: dict[str, Interpreter] = {}
 _venvs_lock = threading.Lock()
 
 
+def in_floor_lane(release: Release) -> bool:
+    """Whether the matrix runs this release in a venv of its Requires-Python floor (above this
+    interpreter): the newest release of its component with that floor, a release the matrix does
+    not list (compat/adopt.py's), or every one with GEMM_PATCH_MATRIX_NATIVE=1."""
+    if not release.python or _version_tuple(HERE.version) >= _version_tuple(release.python):
+        return False
+    same_floor = [r for r in MATRIX if r.component == release.component and r.python == release.python]
+    return os.environ.get("GEMM_PATCH_MATRIX_NATIVE") == "1" or release not in same_floor or release == same_floor[-1]
+
+
+def lane(release: Release) -> Interpreter:
+    """The interpreter the matrix runs a release in: its floor's venv where ``in_floor_lane``,
+    else this one (installed with --ignore-requires-python where it declares a newer Python)."""
+    if in_floor_lane(release) or not release.python or _version_tuple(HERE.version) >= _version_tuple(
+            release.python):
+        return interpreter_for(release)
+    newest = [r.version for r in MATRIX if r.component == release.component and r.python == release.python][-1]
+    return Interpreter(HERE.python, HERE.version,
+                       fallback=f"declares >={release.python}; {release.component} {newest} runs on {release.python}")
+
+
 def interpreter_for(release: Release) -> Interpreter:
     """This interpreter where it satisfies the release's Requires-Python, else the venv of the
     release's floor (built on first use), else this one as a reported fallback."""
@@ -460,8 +479,7 @@ def run_matrix(releases: Sequence[Release], jobs: int = JOBS,
     # Longest first (whole folders, then quick runs; megatron-core before megatron-fsdp), so
     # the two workers finish together.
     pending = sorted(releases, key=lambda r: (scope[r] is not None, r.component != "megatron-core"))
-    floors = sorted({r.python for r in pending if r.python and _version_tuple(HERE.version)
-                     < _version_tuple(r.python)})
+    floors = sorted({r.python for r in pending if in_floor_lane(r)})
     ready: dict[str | None, Interpreter] = {}
     cond = threading.Condition()
     done: queue.Queue = queue.Queue()
@@ -474,7 +492,7 @@ def run_matrix(releases: Sequence[Release], jobs: int = JOBS,
         try:
             interpreter = interpreter_for(Release("", "", "", "", minor))
         except Exception as exc:  # noqa: BLE001 (a broken venv must not hang the matrix)
-            interpreter = Interpreter(HERE.python, HERE.version, fallback=f"needs >={minor}; {exc}")
+            interpreter = Interpreter(HERE.python, HERE.version, fallback=f"declares >={minor}; {exc}")
         done.put(f"Python {minor} for the matrix: {interpreter.describe()} "
                  f"[{interpreter.python}] ({time.perf_counter() - start:.0f}s)")
         with cond:
@@ -485,10 +503,10 @@ def run_matrix(releases: Sequence[Release], jobs: int = JOBS,
         with cond:
             while pending:
                 for release in pending:
-                    floor = release.python if release.python in floors else None
+                    floor = release.python if in_floor_lane(release) else None
                     if floor is None or floor in ready:
                         pending.remove(release)
-                        return release, (ready[floor] if floor else HERE), scope[release]
+                        return release, (ready[floor] if floor else lane(release)), scope[release]
                 cond.wait()
             return None
 
@@ -540,7 +558,7 @@ def render_report(results: Sequence[ReleaseResult], wall: float | None = None) -
         "its own all_gather_and_wait_parameters_ready through the mfsdp-te-overwrite wrapper, revert by "
         "identity, the switch, the summary line",
         "- process tests: a release whose recorded fingerprints equal those of a newer release of the "
-        "matrix (same interpreter) runs every test but those that start a Python process; that newer "
+        "matrix runs every test but those that start a Python process; that newer "
         "release runs them. A whole-folder release leaves a fix's process tests to a newer one with the "
         "same code for that fix, and the common ones (marked common_machinery) to the newest",
         "",
@@ -568,10 +586,14 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--jobs", type=int, default=JOBS, help=f"releases at a time (default {JOBS})")
     parser.add_argument("--full", action="store_true", help="every test on every release (no quick runs)")
     parser.add_argument("--fallback", action="store_true",
-                        help="run releases needing a newer Python here, with --ignore-requires-python")
+                        help="run every release declaring a newer Python here, with --ignore-requires-python")
+    parser.add_argument("--native", action="store_true",
+                        help="run every release declaring a newer Python in a venv of it (not only the newest)")
     args = parser.parse_args(argv)
     if args.fallback:
         os.environ["GEMM_PATCH_MATRIX_FALLBACK"] = "1"
+    if args.native:
+        os.environ["GEMM_PATCH_MATRIX_NATIVE"] = "1"
     if args.full:
         os.environ["GEMM_PATCH_MATRIX_FULL"] = "1"
     releases = select(args.releases)

@@ -148,13 +148,6 @@ class ExactFallbackBackend(Backend):
     - ``out`` narrower (16-bit ``main_grad``): one wide M x N buffer on top, w x MN, which
       holds ``out``'s upcast, takes the GEMM in place and is rounded once into ``out``.
 
-    Measured, peak over the inputs for 8192 x 4096 @ 4096 x 4096, accumulating (CPU: peak RSS,
-    one thread, about 7 MiB of it BLAS packing; H200: ``max_memory_allocated``):
-
-    - fp32 inputs into a bf16 ``main_grad``: CPU 135 MiB, H200 128 MiB (2.0x ``main_grad``);
-    - bf16 inputs into an fp32 ``main_grad``: CPU 199 MiB, the fp32 copies of both operands;
-    - bf16 inputs into a bf16 ``main_grad``: CPU 327 MiB.
-
     Fewer would change the bits: a GEMM over row blocks may sum in another order (cuBLAS picks
     split-K by shape), and ``out.add_(a @ b)`` adds ``out`` after the products where the GEMM's
     beta=1 adds it before them."""

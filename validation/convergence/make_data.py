@@ -1,6 +1,6 @@
 """Byte-level GPT pretraining data from the running interpreter's standard library sources.
 
-    python validation/convergence/make_data.py OUTDIR [--max-bytes N] [--prefix NAME]
+    python -m validation.convergence.make_data OUTDIR [--max-bytes N] [--prefix NAME]
 
 Text: every ``*.py`` file under ``sysconfig.get_paths()["stdlib"]`` (the interpreter's own standard
 library directory), recursively, except directories named ``test``, ``tests``, ``idlelib``,

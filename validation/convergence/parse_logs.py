@@ -1,9 +1,9 @@
 """Parse pretrain_gpt.py logs written by run.sh into result records.
 
-    python validation/convergence/parse_logs.py --release 0.17.1 --mode convergence --logs DIR --out FILE
-    python validation/convergence/parse_logs.py --release 0.19.2 --mode seeds --log DIR/patched_s1236.log --out FILE
-    python validation/convergence/parse_logs.py --merge FILE... --out validation/convergence/results.json
-    python validation/convergence/parse_logs.py --pairs FILE...     # same-seed pairs, patched - fusion off
+    python -m validation.convergence.parse_logs --release 0.17.1 --mode convergence --logs DIR --out FILE
+    python -m validation.convergence.parse_logs --release 0.19.2 --mode seeds --log DIR/patched_s1236.log --out FILE
+    python -m validation.convergence.parse_logs --merge FILE... --out validation/convergence/results.json
+    python -m validation.convergence.parse_logs --pairs FILE...     # same-seed pairs, patched - fusion off
 
 One record per log: release, strategy, mode, run (the log's name), config (patched / fusion_off /
 correctness_off / unpatched / dry; MoE runs take the same names, speed runs speed_patched /

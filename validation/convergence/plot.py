@@ -1,12 +1,13 @@
 """Validation loss curves from validation/convergence/results.json (nothing else is read).
 
-    python validation/convergence/plot.py [--results FILE] [--png FILE]
+    python -m validation.convergence.plot [--results FILE] [--png FILE]
 
 One panel per release of the dense convergence runs, then one per release of the MoE runs (mode
 ``moe``); one line per run that logged a validation loss (patched, fusion off per seed, correctness
-off), in-loop evaluations at their iteration. Dry runs and speed runs are not drawn; a run without a
-validation loss (a crash) is listed in its panel's title instead. In the MoE panels the colour and
-line style name the configuration and the marker the seed.
+off), in-loop evaluations at their iteration, and a star at the end for the run's final evaluation
+(``final_val_loss``, the figure the docs quote: more batches than an in-loop one). Dry runs and
+speed runs are not drawn; a run without a validation loss (a crash) is listed in its panel's title
+instead. In the MoE panels the colour and line style name the configuration and the marker the seed.
 """
 
 from __future__ import annotations
@@ -34,6 +35,13 @@ def curves(results: dict, mode: str = "convergence") -> dict:
     return out
 
 
+def finals(results: dict, mode: str) -> dict:
+    """{(release, label): (iterations, final validation loss)} for the runs ``curves`` draws."""
+    return {(r["release"], f"{r['config']} seed {r['seed']}"): (r["iterations"], r["final_val_loss"])
+            for r in results["runs"] if r.get("mode", "convergence") == mode and r["config"] != "dry"
+            and r.get("final_val_loss") is not None and r.get("iterations")}
+
+
 def panels(results: dict) -> list[tuple[str, str, list]]:
     """[(mode, release, curves), ...]: the dense releases first, then the MoE releases."""
     out = []
@@ -58,7 +66,8 @@ def _moe_legends(ax, runs: list) -> None:
 
 
 def plot(results: dict, png: str) -> list[tuple[str, list[str]]]:
-    """Draw the panels into png; return each panel's title and the labels of its drawn lines."""
+    """Draw the panels into png; return each panel's title, the labels of its drawn lines and
+    its stars (iteration, final validation loss)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -69,6 +78,7 @@ def plot(results: dict, png: str) -> list[tuple[str, list[str]]]:
     drawn = []
     for ax, (mode, rel, runs) in zip(axes[0], todo, strict=False):
         failed = []
+        final = finals(results, mode)
         for label, config, pts in sorted(runs):
             if not pts:
                 failed.append(label)
@@ -78,10 +88,11 @@ def plot(results: dict, png: str) -> list[tuple[str, list[str]]]:
                 marker = SEED_MARKER.get(label.rsplit(" ", 1)[-1], "x")  # label: "CONFIG seed SEED"
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], ls, color=color, marker=marker,
                         markersize=4, fillstyle="none", label=label)
-                continue
-            if "1235" in label:
-                color = "tab:green"
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], ls, color=color, marker=".", label=label)
+            else:
+                color = "tab:green" if "1235" in label else color
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], ls, color=color, marker=".", label=label)
+            if (rel, label) in final:  # a marker, not a line: the panel's lines stay one per run
+                ax.scatter(*final[(rel, label)], marker="*", s=90, color=color, edgecolors="black", zorder=3)
         title = f"megatron-core {rel}, " + ("MoE (8 experts, top-2, grouped GEMM)" if mode == "moe" else "dense")
         if failed:
             title += "\nno validation loss: " + ", ".join(failed)
@@ -93,8 +104,10 @@ def plot(results: dict, png: str) -> list[tuple[str, list[str]]]:
             _moe_legends(ax, runs)
         else:
             ax.legend(fontsize=8)
-        drawn.append((title, [line.get_label() for line in ax.get_lines()]))
-    fig.suptitle("pretrain_gpt.py, Megatron-FSDP optim_grads_params, fp32 main grads, bf16, 1 GPU", fontsize=10)
+        stars = [tuple(float(v) for v in xy) for c in ax.collections for xy in c.get_offsets()]
+        drawn.append((title, [line.get_label() for line in ax.get_lines()], stars))
+    fig.suptitle("pretrain_gpt.py, Megatron-FSDP optim_grads_params, fp32 main grads, bf16, 1 GPU; "
+                 "star: the run's final evaluation", fontsize=10)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)

@@ -51,7 +51,7 @@ echo "== $REL $MODE start $(date -u +%FT%TZ)"
 
 # -- data (the device's own stdlib; a few seconds) and versions
 if [ ! -f "$DATA/stdlib_bytes.idx" ]; then
-    $PY "$HERE/make_data.py" "$DATA" 2>/dev/null > "$DATA.txt" || { echo "make_data failed"; cat "$DATA.txt"; exit 1; }
+    $PY -m validation.convergence.make_data "$DATA" 2>/dev/null > "$DATA.txt" || { echo "make_data failed"; cat "$DATA.txt"; exit 1; }
 fi
 cp "$DATA/stdlib_bytes.json" "$DATA.txt" "$LOGS/"
 cat "$DATA.txt"
@@ -121,7 +121,7 @@ train_and_record() {
     train "$@"
     mkdir -p "$dir"
     cp "$LOGS/$name.log" "$dir/"
-    $PY "$HERE/parse_logs.py" --release "$REL" --mode seeds --log "$LOGS/$name.log" --out "$dir/$name.json" \
+    $PY -m validation.convergence.parse_logs --release "$REL" --mode seeds --log "$LOGS/$name.log" --out "$dir/$name.json" \
         | sed 's/^/   /'
 }
 
@@ -203,6 +203,6 @@ moe)
     wait
     ;;
 esac
-$PY "$HERE/parse_logs.py" --release "$REL" --mode "$MODE" --logs "$LOGS" --out "$OUT/results_${REL}_${MODE}.json"
+$PY -m validation.convergence.parse_logs --release "$REL" --mode "$MODE" --logs "$LOGS" --out "$OUT/results_${REL}_${MODE}.json"
 tar czf "$OUT/logs_${REL}_${MODE}.tar.gz" -C "$LOGS" .
 echo "== $REL $MODE end t=$(elapsed)s"

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Loss-curve PNG and markdown summary of validation/e2e/run_e2e.sh's e2e_results.json.
 
-    python validation/e2e/plot_e2e.py e2e_results.json --png e2e_loss.png --md e2e_summary.md
+    python -m validation.e2e.plot_e2e e2e_results.json --png e2e_loss.png --md e2e_summary.md
 
 Loss parity: the patched run (``gemm-patch run`` defaults: fusion on, fp32 main grads, both
 fixes) against reference (a) (fusion off, fp32 main grads), per step. The run-to-run noise is

@@ -33,8 +33,11 @@ SCRATCH=${SCRATCH:-/tmp/gemm_patch_e2e}
 DEADLINE=${DEADLINE:-400}
 PROC_LIMIT=${PROC_LIMIT:-100}
 HERE=$(cd "$(dirname "$0")" && pwd)
-PARITY=$(cd "$HERE/../parity" && pwd)  # the training script and the gradient comparison
-SCRIPT="$PARITY/train_gpt_fsdp.py"
+ROOT=$(cd "$HERE/../.." && pwd)
+# The training script and the gradient comparison run as modules of this checkout, last on the path
+# (gemm_patch itself comes from the caller's PYTHONPATH where it is there).
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$ROOT"
+MODULE=validation.parity.train_gpt_fsdp
 mkdir -p "$OUT" "$SCRATCH/parts" "$SCRATCH/dumps" "$SCRATCH/logs" "$SCRATCH/plans"
 rm -f "$SCRATCH"/parts/*.json "$SCRATCH"/dumps/*.pt "$SCRATCH"/logs/* "$SCRATCH"/plans/*
 LOG="$OUT/e2e_logs.txt"
@@ -86,7 +89,7 @@ train() {
     fi
     run "$name" "$PROC_LIMIT" env -u GEMM_PATCH_TE_OVERWRITE CUDA_VISIBLE_DEVICES="$gpus" "$@" \
         $PY -m gemm_patch run -- $PY -m torch.distributed.run --standalone --nproc-per-node "$nproc" \
-        "$SCRIPT" --plan "$plan" --steps "$STEPS" --require-patch --out "$SCRATCH/parts/train_${name}.json"
+        -m "$MODULE" --plan "$plan" --steps "$STEPS" --require-patch --out "$SCRATCH/parts/train_${name}.json"
 }
 
 # pair "NAME PLAN [VAR=VALUE...]" "NAME PLAN [VAR=VALUE...]": two 1-GPU processes, one per GPU
@@ -145,17 +148,17 @@ UNPATCHED_ARGS=(--steps 1 --layers 1 --hidden 256 --seq 128 --vocab 1024 --micro
 run preflight 120 env -u GEMM_PATCH_TE_OVERWRITE $PY -m gemm_patch run -- $PY -c "$PREFLIGHT" &
 if [ "$NGPU" -ge 2 ]; then
     run unpatched_plain 120 env CUDA_VISIBLE_DEVICES="$GPU_A" $PY -m torch.distributed.run --standalone \
-        --nproc-per-node 1 "$SCRIPT" "${UNPATCHED_ARGS[@]}" --out "$SCRATCH/parts/unpatched_plain.json" &
+        --nproc-per-node 1 -m "$MODULE" "${UNPATCHED_ARGS[@]}" --out "$SCRATCH/parts/unpatched_plain.json" &
     run unpatched_launcher_gemm_patch_0 120 env CUDA_VISIBLE_DEVICES="$GPU_B" GEMM_PATCH=0 \
-        $PY -m gemm_patch run -- $PY -m torch.distributed.run --standalone --nproc-per-node 1 "$SCRIPT" \
+        $PY -m gemm_patch run -- $PY -m torch.distributed.run --standalone --nproc-per-node 1 -m "$MODULE" \
         "${UNPATCHED_ARGS[@]}" --out "$SCRATCH/parts/unpatched_launcher.json" &
     wait
 else
     wait
     run unpatched_plain 120 env CUDA_VISIBLE_DEVICES="$GPU_A" $PY -m torch.distributed.run --standalone \
-        --nproc-per-node 1 "$SCRIPT" "${UNPATCHED_ARGS[@]}" --out "$SCRATCH/parts/unpatched_plain.json"
+        --nproc-per-node 1 -m "$MODULE" "${UNPATCHED_ARGS[@]}" --out "$SCRATCH/parts/unpatched_plain.json"
     run unpatched_launcher_gemm_patch_0 120 env CUDA_VISIBLE_DEVICES="$GPU_A" GEMM_PATCH=0 \
-        $PY -m gemm_patch run -- $PY -m torch.distributed.run --standalone --nproc-per-node 1 "$SCRIPT" \
+        $PY -m gemm_patch run -- $PY -m torch.distributed.run --standalone --nproc-per-node 1 -m "$MODULE" \
         "${UNPATCHED_ARGS[@]}" --out "$SCRATCH/parts/unpatched_launcher.json"
 fi
 if ! grep -q "^preflight ok" "$SCRATCH/logs/preflight.log"; then
@@ -209,7 +212,7 @@ diag_no_te_fix_optim_grads_params ${D}_note_ogp.pt ${D}_off_ogp.pt ${D}_off_ogp_
 diag_before_optim_grads_params ${D}_ow_ogp.pt ${D}_off_ogp.pt ${D}_off_ogp_2.pt
 diag_before_no_shard ${D}_ow_ns.pt ${D}_off_ns.pt ${D}_off_ns_2.pt
 EOF
-    run "compare_${n}gpu" 120 $PY "$PARITY/compare_grads.py" --batch "${P}_compare.txt" \
+    run "compare_${n}gpu" 120 $PY -m validation.parity.compare_grads --batch "${P}_compare.txt" \
         --out-dir "$SCRATCH/parts" --prefix "${n}gpu_" --quiet
     [ "${KEEP_DUMPS:-0}" = 1 ] || rm -f "${D}"_*.pt
 done
@@ -285,5 +288,5 @@ out.write_text(json.dumps(result, indent=1))
 print(f"wrote {out}: campaigns {sorted(result['campaigns'])}, "
       f"runs {[len(c['runs']) for c in result['campaigns'].values()]}, compares {len(result['grad_compare'])}")
 EOF
-run plot 120 $PY "$HERE/plot_e2e.py" "$OUT/e2e_results.json" --png "$OUT/e2e_loss.png" --md "$OUT/e2e_summary.md"
+run plot 120 $PY -m validation.e2e.plot_e2e "$OUT/e2e_results.json" --png "$OUT/e2e_loss.png" --md "$OUT/e2e_summary.md"
 note "done in $(elapsed) s; files: $(ls "$OUT" | tr '\n' ' ')"

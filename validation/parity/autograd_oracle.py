@@ -64,7 +64,8 @@ def seeded_model(run: dict[str, Any], device: str):
     training runs do, so its weights are their initial weights."""
     import torch
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from train_gpt_fsdp import build_configs, build_gpt
+
+    from validation.parity.gpt_model import build_configs, build_gpt
 
     tconfig = build_configs({**run, "fusion": "off"})[0]
     torch.manual_seed(run["seed"])
@@ -77,7 +78,8 @@ def step1_micro_batches(run: dict[str, Any], dp: int, device: str):
     """(inputs, labels, position ids) of step 1's dp x M micro-batches in training order (rank
     r = k // M, its micro-batch k % M)."""
     import torch
-    from train_gpt_fsdp import PatternData
+
+    from validation.parity.gpt_model import PatternData
 
     m, mbs, seq = int(run["micro_batches"]), int(run["micro_batch_size"]), int(run["seq"])
     batch = PatternData(run["vocab"], seq, run["seed"]).global_batch(1, dp * m * mbs)
@@ -93,7 +95,8 @@ def run_oracle(run: dict[str, Any], device: str | None = None) -> dict[str, Any]
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.module import Float16Module
-    from train_gpt_fsdp import (
+
+    from validation.parity.gpt_model import (
         PARALLEL_KEYS,
         build_configs,
         build_gpt,
@@ -238,7 +241,8 @@ def dense_gradients(run: dict[str, Any], weights: dict[str, Any], dtype, device:
     import dataclasses
 
     import torch
-    from train_gpt_fsdp import build_configs, build_gpt
+
+    from validation.parity.gpt_model import build_configs, build_gpt
 
     local_run = {**run, "fusion": "off", "spec": "local"}
     tconfig = dataclasses.replace(build_configs(local_run)[0], bf16=False, params_dtype=dtype, pipeline_dtype=dtype)
@@ -274,7 +278,8 @@ def run_fp64_oracle(run: dict[str, Any], device: str | None = None) -> dict[str,
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
-    from train_gpt_fsdp import PARALLEL_KEYS, weights_hash
+
+    from validation.parity.gpt_model import PARALLEL_KEYS, weights_hash
 
     if not run.get("grad_dump"):
         raise SystemExit(f"{run['name']}: mode fp64 needs grad_dump")

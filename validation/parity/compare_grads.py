@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Compare two gradient dumps of validation/parity/train_gpt_fsdp.py --grad-dump, parameter by parameter.
 
-    python validation/parity/compare_grads.py GOT.pt REF.pt [--noise REF2.pt] [--bound 0.0078] [--json OUT]
-    python validation/parity/compare_grads.py --batch SPEC.txt --out-dir DIR [--prefix 1gpu_]
+    python -m validation.parity.compare_grads GOT.pt REF.pt [--noise REF2.pt] [--bound 0.0078] [--json OUT]
+    python -m validation.parity.compare_grads --batch SPEC.txt --out-dir DIR [--prefix 1gpu_]
 
 ``--batch``: one comparison per line of SPEC.txt, ``LABEL GOT REF NOISE`` (NOISE ``-`` for
 none), all in one process (dumps loaded once, memory-mapped); each result goes to

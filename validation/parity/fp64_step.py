@@ -38,10 +38,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from validation.parity.compare_grads import load, param_kind, relative
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
-sys.path.insert(0, str(HERE))
-from compare_grads import load, param_kind, relative  # noqa: E402
 
 MODEL = ["--layers", "4", "--hidden", "512", "--seq", "512", "--vocab", "384", "--micro-batch-size", "8",
          "--micro-batches", "4", "--tied", "on", "--position-embedding", "learned_absolute", "--steps", "1",
@@ -65,7 +65,7 @@ def plans(out: Path) -> dict[str, list[dict[str, Any]]]:
 
 def commands(out: Path, python: str) -> list[tuple[str, list[str], dict[str, str]]]:
     torchrun = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-                str(HERE / "train_gpt_fsdp.py"), *MODEL]
+                "-m", "validation.parity.train_gpt_fsdp", *MODEL]
     return [("reference", [*torchrun, "--plan", str(out / "plan_reference.json"), "--out",
                            str(out / "reference.json")], {"GEMM_PATCH": "0"}),
             ("patched", [python, "-m", "gemm_patch", "run", "--", *torchrun, "--plan", str(out / "plan_patched.json"),

@@ -12,7 +12,10 @@ for the buffer and the reduce pipeline), swept over
 each fused run compared per parameter with fp64 autograd and with the same layout under fusion
 off. Run with one release on the path (as compat/matrix.py's release_env gives it):
 
-    PYTHONPATH=compat/isolate:compat/.cache/mcore-0.15.3:. python validation/parity/hooks_sweep_cpu.py
+    PYTHONPATH=compat/isolate:compat/.cache/mcore-0.15.3:tests/megatron:. python -m validation.parity.hooks_sweep_cpu
+
+(tests/megatron on the path: the sweep runs that folder's harness, whose modules import each
+other by their plain names, as pytest imports them.)
 
 Prints one line per combination that fails (the fused path further from fp64 than
 max(tolerance, fusion off + tolerance), NaN, or raising where fusion off runs) and a summary
@@ -28,9 +31,6 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests" / "megatron"))
-
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -40,7 +40,10 @@ def main() -> int:
     import torch
 
     torch.cuda.current_device = lambda: "cpu"  # megatron's dummy wgrad without TE
-    import megatron_cpu
+    try:
+        import megatron_cpu
+    except ImportError:
+        raise SystemExit("tests/megatron must be on PYTHONPATH (the harness the sweep runs); see --help") from None
     import test_shared_weights as harness
     from test_fine_grained_gather import has_fine_grained_hook
 

@@ -5,7 +5,7 @@ checkout's gemm-patch (``after``), log scale, the 2^-7 bound as a line; ``before
 moe-te-overwrite left out; tied-weights: gemm-patch 0.1.0) as hollow markers where it ran; failing
 points with a known cause (the layouts campaign's ``upstream`` / ``harness_issue`` notes) labelled so.
 
-    python validation/parity/plot_coverage.py [validation/results/coverage.json] \
+    python -m validation.parity.plot_coverage [validation/results/coverage.json] \
         [--png validation/results/coverage_layouts.png]
 
 (run_coverage.py calls ``plot`` whenever it writes the results folder.)

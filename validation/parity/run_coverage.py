@@ -11,7 +11,7 @@ runs); new rows are merged in (same key replaced, the rest kept), so a partial r
 nothing. ``--merge-run DIR`` merges a layouts run's layouts_rows.json and layouts_run.json into
 validation/results and redraws coverage_layouts.png (plot_coverage.py).
 
-    python validation/parity/run_coverage.py --out OUT [--releases 0.17.1,0.19.2]
+    python -m validation.parity.run_coverage --out OUT [--releases 0.17.1,0.19.2]
         [--configs off,off_repeat,before,after]
         [--campaign tied-weights --layouts dp1_tied,dp1_tied_mtp,dp2_tied,dp2_tied_mtp] [--baseline .baseline] ...
 
@@ -65,12 +65,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import layouts_campaign as LC  # noqa: E402  (layouts_campaign.py, next to this script)
+from validation.parity import layouts_campaign as LC
 
+HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-SCRIPT = HERE / "train_gpt_fsdp.py"
+CHECKOUT = HERE.parents[1]  # holds the lab's packages: last on every run's PYTHONPATH
+SCRIPT = "validation.parity.train_gpt_fsdp"
 BOUND = 2.0 ** -7
 NOISE_FACTOR = 3.0
 
@@ -212,7 +212,7 @@ def process(args, scratch: Path, rel: str, layout: str, config: str, gpus: int, 
     plan_file.write_text(json.dumps(plan, indent=1))
     out = scratch / "parts" / f"{name}.json"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc-per-node", str(gpus), str(SCRIPT), "--plan", str(plan_file), "--out", str(out)]
+                "--nproc-per-node", str(gpus), "-m", SCRIPT, "--plan", str(plan_file), "--out", str(out)]
     mc = str(Path(args.mcore_root) / f"mc{rel.replace('.', '')}")
     site = str(Path(args.mcore_root) / "site")
     own = (ROOT, Path(args.baseline).resolve(), Path(args.after_root).resolve())
@@ -222,9 +222,9 @@ def process(args, scratch: Path, rel: str, layout: str, config: str, gpus: int, 
     if config in ("before", "after"):
         gp_root = str(Path(gp_root).resolve())
         cmd = [sys.executable, "-m", "gemm_patch", "run", "--", *torchrun, "--require-patch", *extra]
-        pythonpath = [gp_root, mc, site, *rest]
+        pythonpath = [gp_root, mc, site, *rest, str(CHECKOUT)]
     else:
-        gp_root, cmd, pythonpath = None, [*torchrun, *extra], [mc, site, *rest]
+        gp_root, cmd, pythonpath = None, [*torchrun, *extra], [mc, site, *rest, str(CHECKOUT)]
     return {"name": name, "release": rel, "layout": layout, "config": config,
             "gpus": gpus, "cmd": cmd, "pythonpath": os.pathsep.join(pythonpath),
             "gemm_patch_root": gp_root, "out": str(out), "plan": plan, "env": dict(env or {}),
@@ -342,8 +342,7 @@ def rel_ratio(got, ref) -> tuple[float, float]:
 def compare(got: dict, ref: dict, noises: list[tuple[dict, dict]]) -> dict[str, Any]:
     """Per parameter rel and norm ratio of got vs ref; bound max(2^-7, 3 x the largest rel of
     the (a, b) noise pairs for that parameter)."""
-    sys.path.insert(0, str(HERE))
-    from train_gpt_fsdp import param_kind
+    from validation.parity.gpt_model import param_kind
 
     rows, problems = [], []
     for name in sorted(set(got) | set(ref)):
@@ -771,7 +770,7 @@ def write_results(dest: Path, results: Path, new_rows: list[dict], runs_update: 
         md.append(markdown({**runs[LC.TIED], "rows": [r for r in rows if r.get("campaign") == LC.TIED]}))
     (dest / "coverage.md").write_text("\n".join(md))
     try:
-        import plot_coverage
+        from validation.parity import plot_coverage
 
         plot_coverage.plot(rows, dest / "coverage_layouts.png")
     except ImportError as exc:  # matplotlib missing (the GPU machine): plotted when merged here

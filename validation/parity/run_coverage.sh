@@ -18,4 +18,4 @@ source .devkit/setup.sh || { echo "GPU kit setup failed"; exit 1; }
 python3 -c "import einops" 2>/dev/null || echo "WARNING: einops missing: TP/CP/EP layouts will fail in Megatron-FSDP's mesh"
 case " $* " in *" --campaign tied-weights"*) [ -d .baseline/gemm_patch ] || echo "WARNING: .baseline/gemm_patch missing";; esac
 nvidia-smi --query-gpu=index,name,memory.used --format=csv,noheader
-python3 validation/parity/run_coverage.py --out "$OUT" "$@"
+python3 -m validation.parity.run_coverage --out "$OUT" "$@"

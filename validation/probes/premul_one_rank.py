@@ -1,6 +1,6 @@
 """Does an NCCL collective apply a PreMulSum factor over a one-rank group? (the ep2_moe layout)
 
-    torchrun --standalone --nproc-per-node 2 validation/probes/premul_one_rank.py OUT_DIR
+    torchrun --standalone --nproc-per-node 2 -m validation.probes.premul_one_rank OUT_DIR
 
 Each rank reduces a tensor of 2.0s with ``torch.distributed._make_nccl_premul_sum(0.5)`` (the op
 Megatron-FSDP's ``gradient_reduce_preprocessing`` builds with gradient_reduce_div_fusion) over

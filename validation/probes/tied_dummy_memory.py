@@ -21,7 +21,7 @@ Prints, per configuration, the memory allocated after the last step, the peak ov
 each against fusion off's, then PASS where gemm-patch is at most fusion off + 0.05 GiB, tied and
 untied. About 30 s on an H200, start-up included.
 
-    python validation/probes/tied_dummy_memory.py [--out DIR] [--pythonpath DIR]
+    python -m validation.probes.tied_dummy_memory [--out DIR] [--pythonpath DIR]
 
 ``--pythonpath`` puts a folder first on the children's PYTHONPATH (a megatron-core release, e.g.
 ``$GEMM_PATCH_MCORE_ROOT/mc0192``). Without TE megatron's zeros dummy is a fresh ``torch.zeros``
@@ -78,8 +78,7 @@ def child(name: str, emulate: bool) -> dict:
     import torch
     import torch.distributed as dist
 
-    sys.path.insert(0, str(ROOT / "validation" / "parity"))
-    import train_gpt_fsdp as gpt_script
+    from validation.parity import train_gpt_fsdp as gpt_script
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
     torch.cuda.set_device(0)

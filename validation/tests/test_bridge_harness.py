@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-BRIDGE = Path(__file__).resolve().parents[1] / "frameworks" / "bridge"
-sys.path.insert(0, str(BRIDGE))
-import run_bridge as rb  # noqa: E402
+from validation.frameworks.bridge import run_bridge as rb
+
+ROOT = Path(__file__).resolve().parents[2]
+BRIDGE = ROOT / "validation" / "frameworks" / "bridge"
 
 
 def args(*extra: str):
@@ -48,8 +49,8 @@ def test_an_interpreter_before_the_script_is_refused():
 
 
 def test_dry_run_prints_and_checks():
-    r = subprocess.run([sys.executable, str(BRIDGE / "run_bridge.py"), "--dry-run", "--tests", "bt"],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run([sys.executable, "-m", "validation.frameworks.bridge.run_bridge", "--dry-run", "--tests", "bt"],
+                       capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "command check: ok (7 jobs)" in r.stdout
 
@@ -153,7 +154,7 @@ def test_write_atomic_keeps_the_old_file_when_the_write_fails(tmp_path):
 
 
 def test_merge_rebuilds_a_stopped_driver_from_its_logs(tmp_path):
-    import merge_results as mr
+    from validation.frameworks.bridge import merge_results as mr
 
     work = tmp_path / "br"
     wave1(work)

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from validation.convergence import make_data
+
 ROOT = Path(__file__).resolve().parents[2]
 CONV = ROOT / "validation" / "convergence"
-sys.path.insert(0, str(CONV))
-import make_data  # noqa: E402
 
 RELEASES = ("0.19.2", "0.17.1", "0.16.1")
 
@@ -55,8 +55,7 @@ def _release_tree() -> Path:
         tree = ROOT / "compat" / ".cache" / f"mcore-{rel}"
         if (tree / "megatron" / "core" / "datasets" / "indexed_dataset.py").exists():
             return tree
-    sys.path.insert(0, str(ROOT / "compat"))
-    import matrix
+    from compat import matrix
 
     return matrix.ensure_release(matrix.select(["megatron-core==0.16.1"])[0])
 

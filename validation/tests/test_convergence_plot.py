@@ -4,19 +4,17 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
+from validation.convergence import parse_logs, plot
+
 CONV = Path(__file__).resolve().parents[2] / "validation" / "convergence"
-sys.path.insert(0, str(CONV))
-import parse_logs  # noqa: E402
-import plot  # noqa: E402
 
 FIXTURE = {"runs": [
     {"release": "0.17.1", "mode": "convergence", "config": "patched", "seed": 1234,
-     "val_loss": {"100": 2.3, "200": 2.0}},
+     "val_loss": {"100": 2.3, "200": 2.0}, "iterations": 200, "final_val_loss": 1.9},
     {"release": "0.17.1", "mode": "convergence", "config": "fusion_off", "seed": 1235,
      "val_loss": {"100": 2.35, "200": 2.05}},
     {"release": "0.17.1", "mode": "convergence", "config": "unpatched", "seed": 1234, "val_loss": {}},
@@ -72,10 +70,11 @@ def test_plot_writes_png(tmp_path):
     plot.main(["--results", str(res), "--png", str(png)])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     drawn = plot.plot(FIXTURE, str(tmp_path / "direct.png"))
-    assert [title.split("\n")[0] for title, _ in drawn] == [
+    assert [title.split("\n")[0] for title, _, _ in drawn] == [
         "megatron-core 0.17.1, dense", "megatron-core 0.19.2, MoE (8 experts, top-2, grouped GEMM)"]
     assert drawn[0][0].endswith("no validation loss: unpatched seed 1234")
     assert drawn[1][1] == ["fusion_off seed 1236", "patched seed 1234", "patched seed 1235"]
+    assert drawn[0][2] == [(200.0, 1.9)] and drawn[1][2] == []  # the quoted final evaluation, where recorded
 
 
 def test_parse_log():

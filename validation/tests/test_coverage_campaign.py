@@ -5,16 +5,15 @@ megatron's refusals, missing dumps) and the merge into the results list."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
+from validation.parity import layouts_campaign as LC
+from validation.parity import run_coverage as rc
+
 torch = pytest.importorskip("torch")
 PARITY = Path(__file__).resolve().parents[1] / "parity"
-sys.path.insert(0, str(PARITY))
-import layouts_campaign as LC  # noqa: E402
-import run_coverage as rc  # noqa: E402
 
 EXPERT = "decoder.layers.0.mlp.experts.linear_fc1.weight0"
 DENSE = "decoder.layers.0.self_attention.linear_qkv.weight"

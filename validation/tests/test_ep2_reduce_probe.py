@@ -15,25 +15,23 @@ from pathlib import Path
 
 import pytest
 
+from compat import matrix  # compat/matrix.py installs a release from PyPI on first use
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "compat"))
-import matrix  # noqa: E402  compat/matrix.py installs a release from PyPI on first use
 
 PROBES = ROOT / "validation" / "probes"
 PARITY = ROOT / "validation" / "parity"
 RELEASES = ("0.17.1", "0.19.2")
 
 torch = pytest.importorskip("torch")
-sys.path.insert(0, str(PROBES))
-import ep2_reduce_probe  # noqa: E402
+from validation.probes import ep2_reduce_probe  # noqa: E402
 
 # Runs in a subprocess under one release: install, check every wrap, exercise the real
 # gradient_reduce_preprocessing (explicit mul_ path) inside a fake bucket-group reduce, uninstall.
 CHILD = r"""
 import json, sys, types
 import torch
-sys.path.insert(0, sys.argv[1])
-import ep2_reduce_probe as probe_mod
+from validation.probes import ep2_reduce_probe as probe_mod
 import megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer as pgb
 import torch.distributed as dist
 
@@ -163,9 +161,8 @@ def test_train_script_imports_probe_only_with_the_flag():
     assert not any("ep2_reduce_probe" in ast.unparse(n) for n in top)
     main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
     guarded = [n for n in ast.walk(main) if isinstance(n, ast.If) and "args.reduce_probe" in ast.unparse(n.test)]
-    assert any("from ep2_reduce_probe import ReduceProbe" in ast.unparse(n) for n in guarded)
-    sys.path.insert(0, str(PARITY))
-    import train_gpt_fsdp
+    assert any("from validation.probes.ep2_reduce_probe import ReduceProbe" in ast.unparse(n) for n in guarded)
+    from validation.parity import train_gpt_fsdp
 
     args = train_gpt_fsdp.parse_args(["--steps", "1"])
     assert args.reduce_probe is None and args.grad_div_fusion is None

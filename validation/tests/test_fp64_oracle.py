@@ -11,9 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from validation.parity import autograd_oracle
+from validation.tests.test_convergence_data import _release_tree
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "validation" / "parity"))
-import autograd_oracle  # noqa: E402
 
 # From the Megatron-FSDP parameter-group listing of pretrain_gpt.py's model (megatron-core 0.19.2, TE spec)
 TE_NAMES = {
@@ -29,11 +30,10 @@ TE_NAMES = {
 
 PROBE = r"""
 import contextlib, json, sys
-sys.path[:0] = [sys.argv[1] + "/validation/parity", sys.argv[1] + "/tests/megatron"]
 import torch
 import megatron_cpu
 import megatron.core.tensor_parallel as tensor_parallel
-from autograd_oracle import dense_gradients, seeded_model
+from validation.parity.autograd_oracle import dense_gradients, seeded_model
 
 torch.cuda.current_device = lambda: "cpu"  # megatron allocates its attention workspace there
 
@@ -71,17 +71,10 @@ def test_te_spec_names_map_onto_the_local_spec():
     assert {n: autograd_oracle.local_name(n) for n in TE_NAMES} == TE_NAMES
 
 
-def _release_tree() -> Path:
-    sys.path.insert(0, str(ROOT / "validation" / "tests"))
-    from test_convergence_data import _release_tree as tree
-
-    return tree()
-
-
 def test_fp64_gradient_of_a_tied_gpt_on_the_cpu():
     proc = subprocess.run([sys.executable, "-c", PROBE, str(ROOT)], capture_output=True, text=True, timeout=300,
-                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{_release_tree()}:{ROOT}",
-                               "PYTHONWARNINGS": "ignore"})
+                          env={"PATH": "/usr/bin:/bin", "PYTHONWARNINGS": "ignore",
+                               "PYTHONPATH": f"{_release_tree()}:{ROOT}:{ROOT / 'tests' / 'megatron'}"})
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     r = json.loads(lines[0][len("RESULT"):])
@@ -95,8 +88,9 @@ def test_fp64_gradient_of_a_tied_gpt_on_the_cpu():
 
 
 def test_fp64_step_commands_and_comparison(tmp_path):
-    import fp64_step
     import torch
+
+    from validation.parity import fp64_step
 
     (reference, ref_cmd, ref_env), (patched, on_cmd, on_env) = fp64_step.commands(tmp_path, "python3")
     assert ref_env == {"GEMM_PATCH": "0"} and "gemm_patch" not in ref_cmd

@@ -14,10 +14,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from validation.frameworks.nemo import nemo_step as ns
+
 ROOT = Path(__file__).resolve().parents[2]
 NEMO = ROOT / "validation" / "frameworks" / "nemo"
-sys.path.insert(0, str(NEMO))
-import nemo_step as ns  # noqa: E402
 
 
 class Node:
@@ -93,7 +93,7 @@ def run_step(tmp_path, env_extra: dict[str, str]) -> tuple[subprocess.CompletedP
     """nemo_step.main in a fresh interpreter where ``import nemo`` fails; returns the process, the
     JSON and whether gemm_patch got imported."""
     out = tmp_path / "r.json"
-    code = (f"import sys; sys.modules['nemo'] = None; sys.path.insert(0, {str(NEMO)!r}); import nemo_step; "
+    code = (f"import sys; sys.modules['nemo'] = None; from validation.frameworks.nemo import nemo_step; "
             f"rc = nemo_step.main(['--out', {str(out)!r}]); "
             "print('GEMM_PATCH_IMPORTED', 'gemm_patch' in sys.modules); sys.exit(rc)")
     env = {k: v for k, v in os.environ.items() if not k.startswith("GEMM_PATCH")}
@@ -120,7 +120,7 @@ def test_under_gemm_patch_run_the_status_is_recorded(tmp_path):
 
 def test_the_watch_leaves_gemm_patch_its_console_handler(tmp_path):
     """gemm_patch adds its stderr handler only to a handler-less logger: watching must not stop it."""
-    code = (f"import logging, sys; sys.path.insert(0, {str(NEMO)!r}); import nemo_step; "
+    code = ("import logging; from validation.frameworks.nemo import nemo_step; "
             "logging.getLogger('gemm_patch').addFilter(nemo_step.Watch()); "
             "from gemm_patch.engine.report import emit; emit(logging.INFO, 'nemo-fsdp-gaf: a line')")
     env = {k: v for k, v in os.environ.items() if not k.startswith("GEMM_PATCH")}

@@ -2,8 +2,8 @@
 """One Megatron-Bridge pretraining run (one process per GPU, under torchrun): Bridge's own entry
 point ``pretrain(cfg, forward_step)`` with its ``vanilla_gpt`` recipe, scaled down, on Megatron-FSDP.
 
-    torchrun --nproc_per_node 2 validation/frameworks/bridge/bridge_pretrain.py --out /tmp/br/run1 [--fusion off]
-    python -m gemm_patch run -- torchrun --nproc_per_node 2 validation/frameworks/bridge/bridge_pretrain.py ...
+    torchrun --nproc_per_node 2 -m validation.frameworks.bridge.bridge_pretrain --out /tmp/br/run1 [--fusion off]
+    python -m gemm_patch run -- torchrun --nproc_per_node 2 -m validation.frameworks.bridge.bridge_pretrain ...
 
 What it changes in the recipe: a small model (layers/hidden/heads/seq from the flags), mock data
 (``MockGPTDatasetConfig``), Megatron-FSDP ``optim_grads_params`` with the distributed optimizer,
@@ -35,9 +35,6 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent.parent / "parity"))  # train_gpt_fsdp's gradient gather
 
 
 def parse() -> argparse.Namespace:
@@ -148,7 +145,8 @@ def main() -> int:
         import torch
         from megatron.bridge.training.gpt_step import forward_step
         from megatron.bridge.training.pretrain import pretrain
-        from train_gpt_fsdp import dump_gradients
+
+        from validation.parity.gpt_model import dump_gradients
 
         rec["bridge_version"] = getattr(megatron.bridge, "__version__", None)
         rec["import_s"] = round(time.perf_counter() - t0, 1)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Merge run_bridge.py's per-pairing JSONs into validation/results/bridge.json.
 
-    python validation/frameworks/bridge/merge_results.py FILES_AT/bridge_0.4.2.json [FILES_AT/bridge_0.6.2.json] \\
+    python -m validation.frameworks.bridge.merge_results FILES_AT/bridge_0.4.2.json [FILES_AT/bridge_0.6.2.json] \\
         --source "2 x H200, DATE" [--fixed-in COMMIT] [--keep validation/results/bridge.json]
 
 Top level: the first pairing with a measured gradient parity (else the first file's):
@@ -30,8 +30,7 @@ import tempfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import run_bridge as rb  # noqa: E402
+from validation.frameworks.bridge import run_bridge as rb
 
 OUT = Path(__file__).resolve().parents[2] / "results" / "bridge.json"
 HARNESS = {

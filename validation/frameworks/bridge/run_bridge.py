@@ -2,7 +2,7 @@
 """Megatron-Bridge on Megatron-FSDP, unpatched and under ``gemm-patch run``, on one 2-GPU machine:
 one Bridge/megatron-core pairing per run, every result in one JSON.
 
-    python3 validation/frameworks/bridge/run_bridge.py --tests .bw62/bt --test-path \\
+    python3 -m validation.frameworks.bridge.run_bridge --tests .bw62/bt --test-path \\
         tests/functional_tests/test_groups/megatron_fsdp --out $OUT/bridge_0.6.2.json --budget 480
 
 The environment (TE, megatron-core, Bridge and its import set on PYTHONPATH) is the caller's: see
@@ -38,11 +38,10 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+from validation.frameworks.bridge.bridge_pretrain import write_atomic
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
-sys.path.insert(0, str(HERE.parents[1] / "parity"))
-sys.path.insert(0, str(HERE))
-from bridge_pretrain import write_atomic  # noqa: E402
 
 WORK = Path("/tmp/br")
 NOISE_FACTOR, BOUND = 3.0, 2.0 ** -7
@@ -175,6 +174,8 @@ TORCHRUN_FLAGS = {"--standalone", "--no-python", "--no_python", "-m", "--module"
 
 
 def pretrain_cmd(port: int, name: str, iters: int, *extra: str) -> list[str]:
+    # a script for torchrun (check_commands), whose package imports reach this checkout through
+    # base_env's PYTHONPATH
     return [*torchrun(port), str(HERE / "bridge_pretrain.py"), "--iters", str(iters), "--out", str(WORK / name),
             *extra]
 
@@ -290,7 +291,8 @@ def failed_outcome(r: dict, log: Path) -> str:
 
 def grad_parity(got: str, ref: str, rep: str | None, work: Path | None = None) -> dict:
     import torch
-    from compare_grads import param_kind, relative
+
+    from validation.parity.compare_grads import param_kind, relative
 
     def load(p):
         return torch.load(p, map_location="cpu", weights_only=False)["grads"]

@@ -4,9 +4,9 @@
 fp32 main grads and ``gradient_accumulation_fusion=True``: what NeMo decides about fusion, what
 the model's layers do, the losses, and gemm_patch's status.
 
-    python3 validation/frameworks/nemo/nemo_step.py --out /tmp/nemo_plain.json
-    GEMM_PATCH_NEMO_FSDP_GAF=1 python3 -m gemm_patch run -- python3 validation/frameworks/nemo/nemo_step.py --out ...
-    python3 validation/frameworks/nemo/nemo_step.py --check-imports     # imports only (no GPU needed)
+    python3 -m validation.frameworks.nemo.nemo_step --out /tmp/nemo_plain.json
+    GEMM_PATCH_NEMO_FSDP_GAF=1 python3 -m gemm_patch run -- python3 -m validation.frameworks.nemo.nemo_step --out ...
+    python3 -m validation.frameworks.nemo.nemo_step --check-imports     # imports only (no GPU needed)
 
 The run: ``llm.GPTConfig`` (2 layers, hidden 256, 4 heads, seq 512, ``gradient_accumulation_fusion``
 from ``--fusion``), ``llm.GPTModel`` with NeMo's ``NullTokenizer`` (no vocabulary files: the H200
@@ -34,7 +34,7 @@ What it prints (lines starting with ``[nemo_step]``) and writes to ``--out`` (JS
 - ``grad_dump`` (with ``--grad-dump PATH``): every parameter's full reduced gradient of the first
   step, saved at Lightning's ``on_before_optimizer_step`` (after NeMo's forward-backward and
   megatron's ``finalize_model_grads``, before clipping and the optimizer) with
-  validation/parity/train_gpt_fsdp.py's ``dump_gradients``, in the format compare_grads.py reads;
+  validation/parity/gpt_model.py's ``dump_gradients``, in the format compare_grads.py reads;
 - ``outcome``: "trained" or "failed" with the exception (exit status 1).
 """
 
@@ -187,12 +187,11 @@ def build(args: argparse.Namespace):
 
 
 def dump_first_step(trainer: Any, path: str, result: dict[str, Any]) -> None:
-    """The first step's full reduced gradients, through train_gpt_fsdp's reader of Megatron-FSDP's
+    """The first step's full reduced gradients, through gpt_model's reader of Megatron-FSDP's
     gradients (the same reader as the gradient-parity campaigns). A failure is recorded, not
     raised: the run's own outcome stays what NeMo does."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir, "parity"))
     try:
-        from train_gpt_fsdp import dump_gradients
+        from validation.parity.gpt_model import dump_gradients
 
         summary = dump_gradients(trainer.strategy.model, path, {"run": "nemo_step", "argv": sys.argv[1:]})
         result["grad_dump"] = {"path": path, "params": summary["params"]}
@@ -200,8 +199,6 @@ def dump_first_step(trainer: Any, path: str, result: dict[str, Any]) -> None:
     except Exception as exc:  # noqa: BLE001 (recorded in the JSON)
         result["grad_dump"] = {"path": path, "error": f"{type(exc).__name__}: {exc}"}
         say("grad dump FAILED:", result["grad_dump"]["error"])
-    finally:
-        sys.path.pop(0)
 
 
 def make_probe(result: dict[str, Any], grad_dump: str | None = None):

@@ -36,7 +36,7 @@ one_run() {  # one_run NAME GPU
     patched) launcher="python3 -m gemm_patch run --";;
     off) fusion=off;;
   esac
-  CUDA_VISIBLE_DEVICES=$2 MASTER_PORT=$((29500 + $2)) timeout 200 $launcher python3 validation/frameworks/nemo/nemo_step.py \
+  CUDA_VISIBLE_DEVICES=$2 MASTER_PORT=$((29500 + $2)) timeout 200 $launcher python3 -m validation.frameworks.nemo.nemo_step \
     --fusion $fusion --tied $tied --grad-dump "$W/dumps/$name.pt" --out "$W/results/nemo_$name.json" \
     --log-dir "$W/nemo_logs_$name" > "$W/logs/$name.log" 2>&1
   echo "== $name (GPU $2) rc=$?"
@@ -60,5 +60,5 @@ for r in $RUNS; do
   case $r in off_*) continue;; esac
   [ -f "$W/dumps/$r.pt" ] && [ -f "$W/dumps/off_${r#*_}.pt" ] && echo "$r $W/dumps/$r.pt $W/dumps/off_${r#*_}.pt -" >> "$W/spec.txt"
 done
-python3 validation/parity/compare_grads.py --batch "$W/spec.txt" --out-dir "$W/results" 2>&1 | tail -12
+python3 -m validation.parity.compare_grads --batch "$W/spec.txt" --out-dir "$W/results" 2>&1 | tail -12
 tar czf "$OUT/nemo_h200.tgz" -C "$W" results logs spec.txt

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import pretrain_gpt_bench as bench  # noqa: E402
+from benchmarks import pretrain_gpt_bench as bench
+
+ROOT = Path(__file__).resolve().parents[2]
 
 FAKE = ROOT / "tests" / "probes" / "fake_pretrain.py"
 
@@ -109,7 +109,7 @@ def test_a_failed_process_is_recorded_with_its_error(upstream, monkeypatch, caps
 
 def test_chart(tmp_path):
     pytest.importorskip("matplotlib")
-    import plot_pretrain_gpt_bench as plot
+    from benchmarks import plot_pretrain_gpt_bench as plot
 
     base = {"entry": "pretrain_gpt", "release": "0.19.2", "hidden": 4096, "layers": 4, "rc": 0}
     records = [{**base, "tied": tied, "config": config, "round": rnd, "step_ms": ms + rnd,

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import pretrain_gpt_bench as bench  # noqa: E402
-import profile_trace  # noqa: E402
+from benchmarks import pretrain_gpt_bench as bench
+from benchmarks import profile_trace
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def event(cat: str, name: str, ts: float, dur: float, tid: int = 1) -> dict:

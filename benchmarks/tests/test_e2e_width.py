@@ -4,12 +4,11 @@ result's shape, and the committed H200 results file in that shape."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import e2e_width  # noqa: E402
+from benchmarks import e2e_width
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_each_configuration_leads_one_round_and_runs_once_per_gpu_count():

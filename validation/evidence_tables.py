@@ -1,0 +1,106 @@
+"""The tables of docs/validation.md that quote committed records, generated from those records.
+
+    python -m validation.evidence_tables            # rewrite the generated tables in docs/validation.md
+    python -m validation.evidence_tables --check    # exit 1 where the doc differs from its records
+
+Each table sits between ``<!-- generated: NAME -->`` and ``<!-- end: NAME -->``; nothing else of
+the doc is touched. validation/tests/test_evidence_tables.py fails when a table is stale.
+
+* ``convergence``: every same-seed pair of final validation losses (validation/convergence/
+  results.json and seeds_0.19.2/), gemm-patch against fusion off, with the correctness fixes off
+  where that run exists, and the pairs' sign test (parse_logs.pairs).
+* ``speed``: gemm-patch against fusion off in every setting of the ``pretrain_gpt.py`` records
+  (benchmarks/results/pretrain_gpt_*_h200.jsonl), as pretrain_gpt_bench's summary computes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from benchmarks.pretrain_gpt_bench import read_records, summary
+from validation.convergence.parse_logs import pairs
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "validation.md"
+CONVERGENCE = [ROOT / "validation" / "convergence" / "results.json",
+               *sorted((ROOT / "validation" / "convergence" / "seeds_0.19.2").glob("*.json"))]
+SPEED = [ROOT / "benchmarks" / "results" / name for name in
+         ("pretrain_gpt_h200.jsonl", "pretrain_gpt_pinned_h200.jsonl", "pretrain_gpt_hidden2048_h200.jsonl")]
+MODEL = {"convergence": "dense", "seeds": "dense", "moe": "MoE"}
+
+
+def _runs() -> list[dict]:
+    return [run for path in CONVERGENCE for run in json.loads(path.read_text())["runs"]]
+
+
+def convergence_table() -> str:
+    runs = _runs()
+    final = {(r["release"], r["mode"], r["seed"], r["config"]): r["final_val_loss"] for r in runs
+             if r.get("final_val_loss") is not None and r.get("seed")}
+    rows = ["| megatron-core, model | seed | gemm-patch | fusion off | difference | correctness fixes off |",
+            "|---|---|---|---|---|---|"]
+    for (release, mode, seed, config), loss in sorted(final.items()):
+        off = final.get((release, mode, seed, "fusion_off"))
+        if config != "patched" or off is None:
+            continue
+        broken = final.get((release, mode, seed, "correctness_off"))
+        rows.append(f"| {release}, {MODEL.get(mode, mode)} | {seed} | {loss:.4f} | {off:.4f} | {loss - off:+.4f} | "
+                    + (f"{broken:.4f}" if broken is not None else "-") + " |")
+    return "\n".join(rows) + "\n\n" + pairs(runs)[-1] + " (difference: gemm-patch - fusion off)\n"
+
+
+def speed_table() -> str:
+    lines = summary([r for path in SPEED for r in read_records(path)]).splitlines()
+    header = [h.strip() for h in lines[0].split("|")]
+    cells = [dict(zip(header, (c.strip() for c in line.split("|")), strict=True))
+             for line in lines[1:] if not line.startswith("FAILED")]
+    off = {(c["hidden"], c["release"], c["tied"], c["setting"]): c for c in cells if c["config"] == "fusion_off"}
+    rows = ["| hidden, megatron-core, embeddings | setting | rounds | step, gemm-patch / fusion off (ms, medians) "
+            "| ratio | same-round ratio (pairs: range) | memory vs fusion off (GiB: allocated, max allocated) |",
+            "|---|---|---|---|---|---|---|"]
+    for c in cells:
+        ref = off.get((c["hidden"], c["release"], c["tied"], c["setting"]))
+        if c["config"] != "patched" or ref is None:
+            continue
+        step = c["step ms (median; each round)"].split(" ")[0]
+        ref_step = ref["step ms (median; each round)"].split(" ")[0]
+        rows.append(f"| {c['hidden']}, {c['release']}, {c['tied']} | {c['setting']} | {c['rounds']} | "
+                    f"{step} / {ref_step} | {c['vs fusion off']} | {c['same round (pairs: range)']} | "
+                    f"{c['allocated - fusion off']}, {c['max allocated - fusion off']} |")
+    return "\n".join(rows) + "\n"
+
+
+TABLES = {"convergence": convergence_table, "speed": speed_table}
+
+
+def render(doc: str) -> str:
+    for name, make in TABLES.items():
+        start, end = f"<!-- generated: {name} -->\n", f"<!-- end: {name} -->"
+        if doc.count(start) != 1 or doc.count(end) != 1:
+            raise SystemExit(f"{DOC.relative_to(ROOT)}: expected one {start.strip()} ... {end} block")
+        before, rest = doc.split(start)
+        doc = before + start + make() + end + rest.split(end, 1)[1]
+    return doc
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 where a table differs from its records")
+    args = parser.parse_args(argv)
+    current = DOC.read_text()
+    fresh = render(current)
+    if args.check:
+        if fresh != current:
+            print(f"{DOC.relative_to(ROOT)} is stale: run python -m validation.evidence_tables")
+            return 1
+        return 0
+    DOC.write_text(fresh)
+    print(f"wrote {DOC.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

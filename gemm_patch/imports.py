@@ -89,6 +89,14 @@ def still_importing(module: types.ModuleType) -> bool:
     return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
 
 
+def importing(name: str) -> bool:
+    """True while module ``name`` or a package above it is in ``sys.modules`` with its code still
+    executing, in this thread or another: importing ``name`` now could deadlock with that import."""
+    parts = name.split(".")
+    return any((module := sys.modules.get(".".join(parts[:depth]))) is not None and still_importing(module)
+               for depth in range(1, len(parts) + 1))
+
+
 def wait_until_imported(name: str) -> types.ModuleType | None:
     """Block until another thread's import of ``name`` has finished (importlib's per-module
     lock) and return the finished module; None where it is this thread's own import that is

@@ -44,6 +44,8 @@ from .target import (
 __all__ = ["GemmPatchError", "Status", "apply", "revert", "status", "import_target_modules", "log", "use_targets"]
 
 DISABLED_REASON = "GEMM_PATCH=0: nothing is applied, through any entry point"
+# What a bad value read by apply() in a process already patched does: nothing.
+KEPT = "apply() changed nothing: the configuration applied earlier stays in force (revert() unpatches)"
 
 
 class GemmPatchError(RuntimeError):
@@ -116,10 +118,13 @@ def _read_config(strict: bool | None) -> config.Config | None:
         cfg = load_config()
         _state.config_error = None
     except config.ConfigError as exc:
-        _state.config_error = str(exc)
+        # Applied already: the patches in place keep running under the configuration they were
+        # made with; unpatching a training job because a variable changed would be worse.
+        kept = f"; {KEPT}" if _state.cfg is not None else ""
+        _state.config_error = f"{exc}{kept}"
         if strict or (strict is None and config.strict_requested()):
-            raise GemmPatchError(f"gemm_patch: {exc}") from None
-        emit(logging.ERROR, f"gemm_patch not applied: {exc}")
+            raise GemmPatchError(f"gemm_patch: {exc}{kept}") from None
+        emit(logging.ERROR, f"gemm_patch: {exc}{kept}" if kept else f"gemm_patch not applied: {exc}")
         return None
     if strict is not None:
         cfg = config.Config(**{**cfg.__dict__, "strict": strict})
@@ -429,7 +434,8 @@ def status() -> Status:
                 cfg, config_error = config.Config(), str(exc)
         statuses = [_live_status(t, cfg) for t in _targets]
         backends: dict = {}
-        if "torch" in sys.modules and config_error is None:  # never pull torch in just to describe backends
+        applied = _state.cfg is not None  # a bad value apply() read since leaves the earlier patch in force
+        if "torch" in sys.modules and (config_error is None or applied):  # never pull torch in just for this
             from .dispatcher import active_dispatcher
 
             backends = active_dispatcher().describe()
@@ -437,7 +443,7 @@ def status() -> Status:
         for target, st in zip(_targets, statuses, strict=True):
             fields.update(target.status_fields(st))
         meanings = {state: meaning for t in _targets for state, meaning in t.extra_states.items()}
-        return Status(__version__, _state.cfg is not None, (cfg or config.Config()).strict,
+        return Status(__version__, applied, (cfg or config.Config()).strict,
                       (cfg or config.Config()).backend, config_error, detection.installed_versions(), statuses,
                       backends, fields, None if enabled else DISABLED_REASON,
                       {t.name: t.distribution for t in _targets}, meanings)

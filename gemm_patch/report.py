@@ -155,7 +155,7 @@ class Status:
             lines.append("  states: " + "; ".join(f"{s} = {meanings.get(s, s)}" for s in states))
         for name, (word, meaning) in self.fields.items():
             lines.append(f"  {name}: {word}: {meaning}")
-        if self.config_error:
+        if self.config_error and not self.applied:
             lines.append("  backends: none configured (the configuration error above leaves gemm_patch unapplied)")
         elif self.backends:
             in_use = self.backends.get("in_use", {})

@@ -22,7 +22,7 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from . import config, detection, imports
+from . import config, detection, imports, release_data
 from .callsite import same_function
 from .report import Status, SummaryLog, configure_logging, emit, log
 from .target import (
@@ -146,6 +146,13 @@ def apply_quietly(strict: bool | None = None) -> None:
     if not config.enabled():
         with _lock:
             _state.disabled = DISABLED_REASON
+        return
+    damaged = release_data.problem()
+    if damaged:  # no fingerprint can be trusted: nothing is patched
+        if strict or (strict is None and config.strict_requested()):
+            raise GemmPatchError(f"gemm_patch: {damaged}")
+        with _lock:
+            _warn_once("release-data", f"gemm_patch not applied: {damaged}", logging.ERROR)
         return
     _wait_for_half_imported_modules()
     with _lock:
@@ -353,10 +360,10 @@ def _backend_summary() -> str:
     return "backends " + ">".join(active_dispatcher().order)
 
 
-def _warn_once(key: str, message: str) -> None:
+def _warn_once(key: str, message: str, level: int = logging.WARNING) -> None:
     if key not in _state.warned:
         _state.warned.add(key)
-        emit(logging.WARNING, message)
+        emit(level, message)
 
 
 def _not_in_place(target: Target) -> str | None:
@@ -387,6 +394,8 @@ def _live_status(target: Target, cfg: config.Config | None) -> TargetStatus:
     st = _state.statuses.get(target.name)
     if st is None:
         why = "GEMM_PATCH=0" if not config.enabled() else "gemm_patch.apply() not called"
+        if release_data.problem() and config.enabled():
+            why = "gemm_patch's release data is damaged (see above): nothing is applied"
         if cfg is not None and target.name in cfg.left_out:
             why = "GEMM_PATCH_DISABLE lists it"
         return TargetStatus(target.name, target.module, OFF, why)
@@ -446,7 +455,7 @@ def status() -> Status:
         return Status(__version__, applied, (cfg or config.Config()).strict,
                       (cfg or config.Config()).backend, config_error, detection.installed_versions(), statuses,
                       backends, fields, None if enabled else DISABLED_REASON,
-                      {t.name: t.distribution for t in _targets}, meanings)
+                      {t.name: t.distribution for t in _targets}, meanings, release_data.problem())
 
 
 def import_target_modules() -> None:

@@ -150,3 +150,20 @@ print(reason)
     out = run(snippet, GEMM_PATCH_FSDP_DUMMY_GRAD="0")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "megatron's (GEMM_PATCH_FSDP_DUMMY_GRAD=0)" in out.stdout
+
+
+@pytest.mark.parametrize("zero_out", [False, True], ids=["view", "zeros"])
+def test_a_weight_with_a_tensor_hook_gets_megatrons_dummy(patched, cpu_dummy, zero_out):
+    """0.4.0 handed a hook that scales in place (``g.mul_(0.5)``) the view of main_grad, which it
+    halved, or the broadcast zeros, where ``mul_`` raises: the hook must get megatron's own dummy,
+    as upstream, and main_grad keep the exact gradient."""
+    weight, gbuf = megatron_fsdp_param(40, 32, distributed=False)
+    if zero_out:
+        weight.zero_out_wgrad = True  # the tied weight on a stage without the embedding's use
+    handle = weight.register_hook(lambda g: g.mul_(0.5))
+    exact, seen = run_with_fsdp_hook(weight, 2)
+    assert storage_of(gbuf.data) not in seen
+    assert rel(gbuf.data.view(weight.shape), sum(exact)) < 1e-6
+    handle.remove()  # no hook left: the view again
+    _, seen = run_with_fsdp_hook(weight, 1)
+    assert zero_out or seen == [storage_of(gbuf.data)]

@@ -218,10 +218,17 @@ def view_forbidden(tensor: Any) -> bool:
 
 
 def has_tensor_hooks(param: Any) -> bool:
-    """Whether hooks registered with ``param.register_hook`` will be handed the gradient autograd
-    accumulates for ``param`` (megatron's dummy, after a fused write): they may change it in
-    place, which must reach only what it reaches upstream, never main_grad."""
-    return bool(getattr(param, "_backward_hooks", None))
+    """Whether a hook other than Megatron-FSDP's own will be handed the gradient autograd
+    accumulates for ``param`` (megatron's dummy, after a fused write), which it may change in
+    place: one registered with ``param.register_hook``, or a post-accumulate-grad hook (it reads
+    ``param.grad``) not defined in megatron's code (Megatron-FSDP's ``_grad_acc`` deletes the
+    dummy unread). What such a hook writes must reach only what it reaches upstream, never
+    main_grad."""
+    if getattr(param, "_backward_hooks", None):
+        return True
+    post = getattr(param, "_post_accumulate_grad_hooks", None)
+    return bool(post) and not all(
+        getattr(getattr(hook, "func", hook), "__module__", "").startswith("megatron") for hook in post.values())
 
 
 def main_grad_alias(param: Any, shape: Any, dtype: Any) -> Any:

@@ -10,9 +10,11 @@ import shutil
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "gemm_patch"
-# Bottom to top. "" is the package's own __init__.py (the public API and the switch of
+# Bottom to top (support: standard-library helpers every layer may use). "" is the package's
+# own __init__.py (the public API and the switch of
 # ``import gemm_patch``); commands and the start-up bootstrap stand on it, side by side.
-LAYERS = (("gemm",), ("engine",), ("upstream",), ("targets",), ("",), ("commands", "bootstrap"), ("__main__",))
+LAYERS = (("support",), ("gemm",), ("engine",), ("upstream",), ("targets",), ("",), ("commands", "bootstrap"),
+          ("__main__",))
 RANK = {folder: rank for rank, folders in enumerate(LAYERS) for folder in folders}
 
 

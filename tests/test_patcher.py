@@ -1,8 +1,10 @@
-"""apply()/status() in fresh interpreters, without megatron: GEMM_PATCH=0 beats everything, and
-every line gemm_patch prints carries its prefix, also where logging is disabled."""
+"""apply()/status() in fresh interpreters, most without megatron: GEMM_PATCH=0 beats everything,
+every line gemm_patch prints carries its prefix, also where logging is disabled, and a bad value
+read by a later apply() leaves the patch in place and says so."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -57,3 +59,32 @@ def test_status_without_megatron_reads_not_applicable_with_reasons():
     out = python("import gemm_patch, json; print(json.dumps([t.state for t in gemm_patch.status().targets]))")
     assert out.returncode == 0, out.stderr
     assert set(eval(out.stdout)) == {"not applicable"}
+
+
+BAD_VALUE_AFTER_APPLY = """
+import os, json, megatron.core.tensor_parallel.layers as L, gemm_patch
+os.environ["GEMM_PATCH_BACKEND"] = "fallbak"
+st = gemm_patch.apply()
+backward = vars(L.LinearWithGradAccumulationAndAsyncCommunication)["backward"]
+print("REPORT", json.dumps({"applied": st.applied, "fsdp-wgrad": [t.state for t in st.targets
+                            if t.name == "fsdp-wgrad"][0], "text": st.render(),
+                            "patched": getattr(backward, "_self_gemm_patch_target", None) is not None}))
+"""
+
+
+def test_a_bad_value_read_by_apply_in_a_patched_process_says_the_earlier_patch_stays():
+    """0.4.0 logged "gemm_patch not applied" and its status said the bad value "leaves gemm_patch
+    unapplied", beside applied/verified, while every patch kept running."""
+    from process_env import clean_env
+
+    out = subprocess.run([sys.executable, "-c", BAD_VALUE_AFTER_APPLY], capture_output=True, text=True,
+                         env=clean_env(megatron=True), timeout=300)
+    line = next((line for line in out.stdout.splitlines() if line.startswith("REPORT ")), None)
+    assert out.returncode == 0 and line, out.stderr[-3000:]
+    found = json.loads(line[len("REPORT "):])
+    errors = [line for line in out.stderr.splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and "GEMM_PATCH_BACKEND='fallbak'" in errors[0], out.stderr
+    assert "not applied" not in errors[0] and "earlier stays in force" in errors[0], errors[0]
+    assert found["applied"] and found["patched"] and found["fsdp-wgrad"] == "verified", found
+    assert "unapplied" not in found["text"] and "earlier stays in force" in found["text"], found["text"]
+    assert "backends: none configured" not in found["text"], found["text"]

@@ -12,9 +12,10 @@ import types
 import pytest
 from source_modules import load_source
 
-from gemm_patch.engine import config, detection, patcher, report
+from gemm_patch.engine import config, patcher, report
 from gemm_patch.engine.callsite import find_statement
 from gemm_patch.engine.target import Refused, TargetStatus
+from gemm_patch.support import module_state
 from gemm_patch.targets import REGISTRY
 from gemm_patch.targets.te_overwrite import STANDALONE as MFSDP_TE_OVERWRITE
 from gemm_patch.targets.te_overwrite import TARGET as FSDP_TE_OVERWRITE
@@ -205,13 +206,13 @@ def test_module_findable_without_importing(tmp_path, monkeypatch):
     (pkg / "__init__.py").write_text("raise AssertionError('imported')")
     (pkg / "mod.py").write_text("raise AssertionError('imported')")
     monkeypatch.syspath_prepend(str(tmp_path))
-    assert detection.module_findable("gp_fake_pkg.sub.mod") is None  # top not imported: unknown
+    assert module_state.module_findable("gp_fake_pkg.sub.mod") is None  # top not imported: unknown
     import gp_fake_pkg  # noqa: F401
 
     try:
-        assert detection.module_findable("gp_fake_pkg.sub.mod") is True
-        assert detection.module_findable("gp_fake_pkg.sub.missing") is False
-        assert detection.module_findable("gp_fake_pkg.nope.mod") is False
+        assert module_state.module_findable("gp_fake_pkg.sub.mod") is True
+        assert module_state.module_findable("gp_fake_pkg.sub.missing") is False
+        assert module_state.module_findable("gp_fake_pkg.nope.mod") is False
         assert "gp_fake_pkg.sub" not in sys.modules
     finally:
         sys.modules.pop("gp_fake_pkg", None)
@@ -296,6 +297,5 @@ def test_an_unknown_release_is_one_warning_line_for_all_targets(monkeypatch):
 
 
 def test_a_package_that_is_not_installed_is_not_findable():
-    from gemm_patch.engine import detection
 
-    assert detection.module_findable("gemm_patch_no_such_package_xyz.megatron_fsdp") is False
+    assert module_state.module_findable("gemm_patch_no_such_package_xyz.megatron_fsdp") is False

@@ -2,6 +2,7 @@
 use it, so that the wheel is built once per test run): two fresh virtual environments, one with
 the gemm-patch wheel installed (built here, offline, from the source tree), one without; and
 how to run their interpreters so that gemm_patch comes from the wheel, never the source tree.
+``wheel`` and ``venv_with`` give a test a venv of its own, one it may damage.
 
 Each venv gets this environment's packages (torch, wrapt, ...) through a path-only .pth file
 sorted before gemm_patch's, the way they would sit in its own site-packages.
@@ -38,21 +39,32 @@ def _make_venv(venv: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def venvs(tmp_path_factory):
-    """(python with the gemm-patch wheel installed, python of an identical venv without it)."""
-    tmp = tmp_path_factory.mktemp("auto")
+def wheel(tmp_path_factory) -> Path:
+    """The gemm-patch wheel, built once per test run, offline, from the source tree."""
+    tmp = tmp_path_factory.mktemp("wheel")
     try:
         import hatchling  # noqa: F401  (the build backend: build offline, without isolation)
         isolation = ["--no-build-isolation"]
     except ImportError:
         isolation = []
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", *isolation,
-                    "-w", str(tmp / "dist"), str(ROOT)], check=True, capture_output=True)
-    wheel = next((tmp / "dist").glob("gemm_patch-*.whl"))
-    with_wheel = _make_venv(tmp / "with-wheel")
-    subprocess.run([sys.executable, "-m", "pip", "--python", str(with_wheel), "install", "-q",
+                    "-w", str(tmp), str(ROOT)], check=True, capture_output=True)
+    return next(tmp.glob("gemm_patch-*.whl"))
+
+
+def venv_with(wheel: Path, venv: Path) -> Path:
+    """A fresh venv at ``venv`` with ``wheel`` installed: its python (one a test may damage)."""
+    python = _make_venv(venv)
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q",
                     "--no-deps", "--no-index", str(wheel)], check=True, capture_output=True)
-    return with_wheel, _make_venv(tmp / "plain")
+    return python
+
+
+@pytest.fixture(scope="session")
+def venvs(tmp_path_factory, wheel):
+    """(python with the gemm-patch wheel installed, python of an identical venv without it)."""
+    tmp = tmp_path_factory.mktemp("auto")
+    return venv_with(wheel, tmp / "with-wheel"), _make_venv(tmp / "plain")
 
 
 def env_for(megatron: bool = False, path: tuple[Path, ...] = (), **variables: str) -> dict[str, str]:

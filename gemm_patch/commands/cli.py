@@ -117,9 +117,9 @@ def _status(args: argparse.Namespace) -> int:
             print("  note: gemm_patch is imported from a source tree, not installed: GEMM_PATCH_AUTO=1 needs "
                   "the package installed (pip install PATH, or a wheel) and does nothing without it; "
                   "`import gemm_patch` and `gemm-patch run` work either way")
-    if st.config_error:
+    if st.config_error or st.data_error:
         sys.stdout.flush()
-        print(f"gemm-patch {args.command}: {st.config_error}", file=sys.stderr)
+        print(f"gemm-patch {args.command}: {st.config_error or st.data_error}", file=sys.stderr)
         return EXIT_FAILED
     return EXIT_OK
 

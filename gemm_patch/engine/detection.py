@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from importlib import machinery, util
 
 from . import release_data
 
@@ -52,37 +51,6 @@ def distribution_version(component: str) -> str | None:
     return None
 
 
-def module_findable(name: str) -> bool | None:
-    """Whether ``import name`` would find a module, decided without importing anything: False
-    when its top-level package is not installed at all; once that package is imported, each
-    level not imported yet is looked up in the ``__path__`` of the level above. None when it
-    cannot be told yet (package installed, not imported) or a finder fails."""
-    parts = name.split(".")
-    top = sys.modules.get(parts[0])
-    if top is None:
-        try:  # a top-level lookup on sys.path imports nothing
-            return False if util.find_spec(parts[0]) is None else None
-        except (ImportError, ValueError):
-            return None
-    path = getattr(top, "__path__", None)
-    for depth in range(2, len(parts) + 1):
-        if path is None:
-            return False  # a plain module where a package would be needed
-        full = ".".join(parts[:depth])
-        module = sys.modules.get(full)
-        if module is not None:
-            path = getattr(module, "__path__", None)
-            continue
-        try:
-            spec = machinery.PathFinder.find_spec(full, list(path))
-            if spec is None and full.rpartition(".")[0] in sys.modules:
-                spec = util.find_spec(full)  # other finders; the parent is imported already
-        except (ImportError, ValueError):
-            return None
-        if spec is None:
-            return False
-        path = spec.submodule_search_locations
-    return True
 
 
 def installed_versions() -> dict[str, str | None]:

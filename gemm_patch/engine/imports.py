@@ -18,6 +18,8 @@ import threading
 import types
 from collections.abc import Callable
 
+from ..support.module_state import still_importing
+
 Callback = Callable[[types.ModuleType], None]
 
 
@@ -84,9 +86,6 @@ def watch(name: str, callback: Callback) -> None:
         _finder.watch(name, callback)
 
 
-def still_importing(module: types.ModuleType) -> bool:
-    """True while ``module``'s own code is still executing (importlib's ``_initializing``)."""
-    return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
 
 
 def wait_until_imported(name: str) -> types.ModuleType | None:

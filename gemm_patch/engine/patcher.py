@@ -24,7 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..gemm import active
-from . import config, detection, imports
+from ..support.module_state import module_findable, still_importing
+from . import config, detection, imports, release_data
 from .callsite import same_function
 from .report import Status, SummaryLog, configure_logging, emit, log
 from .target import (
@@ -47,6 +48,8 @@ __all__ = ["GemmPatchError", "Status", "apply", "revert", "status", "import_targ
            "use_version"]
 
 DISABLED_REASON = "GEMM_PATCH=0: nothing is applied, through any entry point"
+# What a bad value read by apply() in a process already patched does: nothing.
+KEPT = "apply() changed nothing: the configuration applied earlier stays in force (revert() unpatches)"
 
 
 class GemmPatchError(RuntimeError):
@@ -126,10 +129,13 @@ def _read_config(strict: bool | None) -> config.Config | None:
         cfg = load_config()
         _state.config_error = None
     except config.ConfigError as exc:
-        _state.config_error = str(exc)
+        # Applied already: the patches in place keep running under the configuration they were
+        # made with; unpatching a training job because a variable changed would be worse.
+        kept = f"; {KEPT}" if _state.cfg is not None else ""
+        _state.config_error = f"{exc}{kept}"
         if strict or (strict is None and config.strict_requested()):
-            raise GemmPatchError(f"gemm_patch: {exc}") from None
-        emit(logging.ERROR, f"gemm_patch not applied: {exc}")
+            raise GemmPatchError(f"gemm_patch: {exc}{kept}") from None
+        emit(logging.ERROR, f"gemm_patch: {exc}{kept}" if kept else f"gemm_patch not applied: {exc}")
         return None
     if strict is not None:
         cfg = config.Config(**{**cfg.__dict__, "strict": strict})
@@ -151,6 +157,13 @@ def apply_quietly(strict: bool | None = None) -> None:
     if not config.enabled():
         with _lock:
             _state.disabled = DISABLED_REASON
+        return
+    damaged = release_data.problem()
+    if damaged:  # no fingerprint can be trusted: nothing is patched
+        if strict or (strict is None and config.strict_requested()):
+            raise GemmPatchError(f"gemm_patch: {damaged}")
+        with _lock:
+            _warn_once("release-data", f"gemm_patch not applied: {damaged}", logging.ERROR)
         return
     _wait_for_half_imported_modules()
     with _lock:
@@ -174,7 +187,7 @@ def apply_quietly(strict: bool | None = None) -> None:
             live = sys.modules.get(name)
             for module in [m for m in _state.seen.get(name, ()) if m is not live]:
                 _patch_module(module, reexecuted=False)
-            if live is not None and not imports.still_importing(live):
+            if live is not None and not still_importing(live):
                 _patch_module(live, reexecuted=False)
 
 
@@ -184,7 +197,7 @@ def _wait_for_half_imported_modules() -> None:
     module this thread is itself executing is patched from a helper thread when it is done."""
     for name in sorted({t.module for t in _targets}):
         module = sys.modules.get(name)
-        if module is None or not imports.still_importing(module):
+        if module is None or not still_importing(module):
             continue
         if imports.wait_until_imported(name) is None:
             threading.Thread(target=_patch_when_imported, args=(name,), daemon=True,
@@ -352,10 +365,10 @@ def _backend_summary() -> str:
     return "backends " + ">".join(active.active_dispatcher().order)
 
 
-def _warn_once(key: str, message: str) -> None:
+def _warn_once(key: str, message: str, level: int = logging.WARNING) -> None:
     if key not in _state.warned:
         _state.warned.add(key)
-        emit(logging.WARNING, message)
+        emit(level, message)
 
 
 def _not_in_place(target: Target) -> str | None:
@@ -386,6 +399,8 @@ def _live_status(target: Target, cfg: config.Config | None) -> TargetStatus:
     st = _state.statuses.get(target.name)
     if st is None:
         why = "GEMM_PATCH=0" if not config.enabled() else "gemm_patch.apply() not called"
+        if release_data.problem() and config.enabled():
+            why = "gemm_patch's release data is damaged (see above): nothing is applied"
         if cfg is not None and target.name in cfg.left_out:
             why = "GEMM_PATCH_DISABLE lists it"
         return TargetStatus(target.name, target.module, OFF, why)
@@ -397,7 +412,7 @@ def _live_status(target: Target, cfg: config.Config | None) -> TargetStatus:
     waiting = st.state == PENDING or (st.state == OFF and cfg is not None and st.reason == target.switched_off(cfg))
     if not waiting or target.module in sys.modules:
         return st
-    if detection.module_findable(target.module) is False:
+    if module_findable(target.module) is False:
         version = detection.distribution_version(target.distribution)
         reason = (f"{target.distribution} {version} has no module {target.module}" if version
                   else f"{target.distribution} is not installed (no {target.module.split('.')[0]} package)")
@@ -431,16 +446,17 @@ def status() -> Status:
                 cfg, config_error = config.Config(), str(exc)
         statuses = [_live_status(t, cfg) for t in _targets]
         backends: dict = {}
-        if "torch" in sys.modules and config_error is None:  # never pull torch in just to describe backends
+        applied = _state.cfg is not None  # a bad value apply() read since leaves the earlier patch in force
+        if "torch" in sys.modules and (config_error is None or applied):  # never pull torch in just for this
             backends = active.active_dispatcher().describe()
         fields = {}
         for target, st in zip(_targets, statuses, strict=True):
             fields.update(target.status_fields(st))
         meanings = {state: meaning for t in _targets for state, meaning in t.extra_states.items()}
-        return Status(_version, _state.cfg is not None, (cfg or config.Config()).strict,
+        return Status(_version, applied, (cfg or config.Config()).strict,
                       (cfg or config.Config()).backend, config_error, detection.installed_versions(), statuses,
                       backends, fields, None if enabled else DISABLED_REASON,
-                      {t.name: t.distribution for t in _targets}, meanings)
+                      {t.name: t.distribution for t in _targets}, meanings, release_data.problem())
 
 
 def import_target_modules() -> None:

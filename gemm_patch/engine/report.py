@@ -90,6 +90,7 @@ class Status:
     disabled: str | None = None  # why nothing is applied (GEMM_PATCH=0)
     distributions: dict[str, str] = field(default_factory=dict)  # target -> whose version keys it
     meanings: dict[str, str] = field(default_factory=dict)  # targets' own states -> meaning
+    data_error: str | None = None  # what is wrong with gemm_patch's releases.json (nothing applied)
 
     def __getattr__(self, name: str) -> str:
         # A target's field reads as an attribute (``status().apex``), as in the JSON.
@@ -106,6 +107,7 @@ class Status:
             "strict": self.strict,
             "backend": self.backend,
             "config_error": self.config_error,
+            "data_error": self.data_error,
             "disabled": self.disabled,
             "versions": self.versions,
             "targets": [t.as_dict() for t in self.targets],
@@ -133,6 +135,8 @@ class Status:
                  f"{' (strict)' if self.strict else ''}"]
         if self.disabled:
             lines.append(f"  disabled: {self.disabled}")
+        if self.data_error:
+            lines.append(f"  release data damaged: {self.data_error}")
         if self.config_error and error_below:
             variable = self.config_error.split("=", 1)[0]
             lines.append(f"  configuration error: {variable} holds a value gemm_patch does not accept "
@@ -155,7 +159,7 @@ class Status:
             lines.append("  states: " + "; ".join(f"{s} = {meanings.get(s, s)}" for s in states))
         for name, (word, meaning) in self.fields.items():
             lines.append(f"  {name}: {word}: {meaning}")
-        if self.config_error:
+        if self.config_error and not self.applied:
             lines.append("  backends: none configured (the configuration error above leaves gemm_patch unapplied)")
         elif self.backends:
             in_use = self.backends.get("in_use", {})

@@ -219,7 +219,7 @@ class Target:
 
     def __post_init__(self) -> None:
         if self.fingerprints is None or self.fixed_upstream is None or self.not_applicable is None:
-            entry = release_data.target(self.name)
+            entry = release_data.entry(self.name)
             if self.fingerprints is None:
                 object.__setattr__(self, "fingerprints", dict(entry["fingerprints"]))
             if self.fixed_upstream is None:

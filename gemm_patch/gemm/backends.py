@@ -11,10 +11,12 @@ itself) is being patched, or by the CLI.
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Callable
 
 import torch
 
+from ..support.module_state import importing, module_findable
 from . import BACKEND_ORDER
 
 _HALF = (torch.bfloat16, torch.float16)
@@ -24,8 +26,11 @@ class Backend:
     """One way to run the wgrad GEMM. ``unavailable_reason`` is None when it can run here."""
 
     name = "backend"
+    judged = True  # False: unavailable_reason() is provisional, asked again next time
 
-    def unavailable_reason(self) -> str | None:
+    def unavailable_reason(self, may_import: bool = True) -> str | None:
+        """Why it cannot run here, else None. ``may_import`` False (describing, not running a
+        GEMM): what it needs is looked up in ``sys.modules`` only."""
         return None
 
     def supports(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> bool:
@@ -55,6 +60,7 @@ class TransformerEngineBackend(Backend):
     """
 
     name = "te"
+    module = "transformer_engine.pytorch.cpp_extensions"
 
     def __init__(self) -> None:
         self._gemm_fn: Callable | None = None
@@ -62,7 +68,20 @@ class TransformerEngineBackend(Backend):
         self._reason: str | None = None
         self._loaded = False
 
-    def _load(self) -> None:
+    @property
+    def judged(self) -> bool:
+        return self._loaded
+
+    def _load(self, may_import: bool) -> None:
+        # Another thread's import of TE would meet this one halfway (importlib's _DeadlockError
+        # in that thread, a training job's import); a status() call must not import TE at all.
+        if importing(self.module):
+            self._reason = "transformer_engine is being imported; judged again once that import is done"
+            return
+        if (not may_import and self.module not in sys.modules
+                and module_findable("transformer_engine") is not False):
+            self._reason = "transformer_engine not imported in this process yet; judged when a GEMM needs it"
+            return
         self._loaded = True
         try:
             from transformer_engine.pytorch.cpp_extensions import general_gemm
@@ -88,9 +107,9 @@ class TransformerEngineBackend(Backend):
     def takes_workspace(self) -> bool:
         return self._workspace_fn is not None
 
-    def unavailable_reason(self) -> str | None:
+    def unavailable_reason(self, may_import: bool = True) -> str | None:
         if not self._loaded:
-            self._load()
+            self._load(may_import)
         return self._reason
 
     def supports(self, a, b, out) -> bool:
@@ -119,7 +138,7 @@ class NativeTorchBackend(Backend):
 
     name = "native"
 
-    def unavailable_reason(self) -> str | None:
+    def unavailable_reason(self, may_import: bool = True) -> str | None:
         if not hasattr(torch.ops.aten.mm, "dtype_out"):
             return f"torch {torch.__version__} has no mm(..., out_dtype=)"
         if not torch.cuda.is_available():

@@ -65,27 +65,30 @@ class WgradDispatcher:
                 self._demote(backend, key, exc)
 
     def plan_for(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
-                 accumulate: bool = False) -> tuple[str, ...]:
-        """Names of the backends that would be tried, in order, for these operands."""
+                 accumulate: bool = False, may_import: bool = True) -> tuple[str, ...]:
+        """Names of the backends that would be tried, in order, for these operands
+        (``may_import``: as ``Backend.unavailable_reason``)."""
         if a.dtype == out.dtype and b.dtype == out.dtype:
             return ("torch.matmul",)
         key = (out.is_cuda, a.dtype, b.dtype, out.dtype, accumulate)
-        return tuple(b_.name for b_ in self._plans.get(key) or self._plan(key, a, b, out))
+        return tuple(b_.name for b_ in self._plans.get(key) or self._plan(key, a, b, out, may_import))
 
-    def _plan(self, key, a, b, out) -> tuple[Backend, ...]:
+    def _plan(self, key, a, b, out, may_import: bool = True) -> tuple[Backend, ...]:
         plan = []
         for name in self.order:
             backend = self.backends[name]
-            if (name, key) in self._demoted or backend.unavailable_reason() is not None:
+            if (name, key) in self._demoted or backend.unavailable_reason(may_import) is not None:
                 continue
             if backend.supports(a, b, out):
                 plan.append(backend)
+        result = tuple(plan)
+        if not all(self.backends[name].judged for name in self.order):
+            return result  # a backend not judged yet (TE not imported): planned again next time
         if self.forced not in ("auto", "fallback") and (not plan or plan[0].name != self.forced):
             reason = self.backends[self.forced].unavailable_reason() or "it cannot run these dtypes"
             _warn_once(f"forced:{self.forced}:{key}",
                        f"GEMM_PATCH_BACKEND={self.forced} cannot be used for {_describe(key)}: "
                        f"{reason}; using {plan[0].name if plan else 'nothing'}")
-        result = tuple(plan)
         with self._lock:
             self._plans[key] = result
         return result
@@ -110,16 +113,17 @@ class WgradDispatcher:
         probe = torch.empty(1, 1, dtype=torch.bfloat16, device=device)
         out = torch.empty(1, 1, dtype=torch.float32, device=device)
         key = (out.is_cuda, probe.dtype, probe.dtype, out.dtype, True)
-        plan = self.plan_for(probe, probe, out, accumulate=True)
+        plan = self.plan_for(probe, probe, out, accumulate=True, may_import=False)
         return {_describe(key): plan[0] if plan else "none"}
 
     def describe(self) -> dict:
+        """What status() shows; imports nothing (``may_import=False``)."""
         return {
             "in_use": self.in_use(),
             "order": list(self.order),
             "forced": self.forced,
             "unavailable": {n: r for n in self.order
-                            if (r := self.backends[n].unavailable_reason()) is not None},
+                            if (r := self.backends[n].unavailable_reason(may_import=False)) is not None},
             "demoted": sorted(f"{n} for {_describe(k)}" for n, k in self._demoted),
         }
 

@@ -204,7 +204,7 @@ class SharedGradTarget(MethodTarget):
         super().__post_init__()
         if self.param_arg_fingerprints is None:
             object.__setattr__(self, "param_arg_fingerprints", frozenset(
-                release_data.target(self.name).get("param_arg_fingerprints", ())))
+                release_data.entry(self.name).get("param_arg_fingerprints", ())))
 
     def inspect(self, module: types.ModuleType, cfg: Config = DEFAULTS) -> Inspection:
         funcdef = parse_method(module, self.owner, self.attribute)

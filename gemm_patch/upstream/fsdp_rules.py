@@ -217,6 +217,20 @@ def view_forbidden(tensor: Any) -> bool:
     return (tensor.is_cuda and torch.cuda.is_current_stream_capturing()) or torch.is_anomaly_enabled()
 
 
+def has_tensor_hooks(param: Any) -> bool:
+    """Whether a hook other than Megatron-FSDP's own will be handed the gradient autograd
+    accumulates for ``param`` (megatron's dummy, after a fused write), which it may change in
+    place: one registered with ``param.register_hook``, or a post-accumulate-grad hook (it reads
+    ``param.grad``) not defined in megatron's code (Megatron-FSDP's ``_grad_acc`` deletes the
+    dummy unread). What such a hook writes must reach only what it reaches upstream, never
+    main_grad."""
+    if getattr(param, "_backward_hooks", None):
+        return True
+    post = getattr(param, "_post_accumulate_grad_hooks", None)
+    return bool(post) and not all(
+        getattr(getattr(hook, "func", hook), "__module__", "").startswith("megatron") for hook in post.values())
+
+
 def main_grad_alias(param: Any, shape: Any, dtype: Any) -> Any:
     """A ``dtype`` tensor of ``shape`` over the first bytes of ``param.main_grad``, or None.
 
@@ -225,12 +239,13 @@ def main_grad_alias(param: Any, shape: Any, dtype: Any) -> Any:
     because ``grad_added_to_main_grad`` is set. Only a write to ``param.grad`` could reach
     main_grad through the view, so it is given only where nothing writes there: a Megatron-FSDP
     parameter (``_gbuf``) that carries no mark of a second use, with no ``.grad`` pending from an
-    earlier use, outside CUDA-graph capture (where megatron's own dummy keeps its fixed address),
-    outside anomaly mode, over a contiguous main_grad on the same device that holds at least as
-    many bytes."""
+    earlier use, without tensor hooks (``has_tensor_hooks``), outside CUDA-graph capture (where
+    megatron's own dummy keeps its fixed address), outside anomaly mode, over a contiguous
+    main_grad on the same device that holds at least as many bytes."""
     attrs = getattr(param, "__dict__", {})
     main_grad = attrs.get("main_grad")
-    if attrs.get("_gbuf") is None or main_grad is None or any(attrs.get(m) for m in SHARED_MARKS):
+    if (attrs.get("_gbuf") is None or main_grad is None or any(attrs.get(m) for m in SHARED_MARKS)
+            or has_tensor_hooks(param)):
         return None
     import torch
 

@@ -39,6 +39,9 @@ def run_with_fsdp_hook(weight, n: int, seed: int = 1, tokens: int = 48):
             del param.grad
         param.grad_added_to_main_grad = False
 
+    # Megatron-FSDP's own hook deletes the dummy unread; the view's rule tells it from a user's
+    # hook by the module that defines it (fsdp_rules.has_tensor_hooks).
+    grad_acc.__module__ = "megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp"
     handle = weight.register_post_accumulate_grad_hook(grad_acc)
     exact = []
     try:
@@ -150,3 +153,27 @@ print(reason)
     out = run(snippet, GEMM_PATCH_FSDP_DUMMY_GRAD="0")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "megatron's (GEMM_PATCH_FSDP_DUMMY_GRAD=0)" in out.stdout
+
+
+def halve_grad(param):
+    param.grad.mul_(0.5)
+
+
+@pytest.mark.parametrize("zero_out", [False, True], ids=["view", "zeros"])
+@pytest.mark.parametrize("hook", ["tensor", "post_accumulate"])
+def test_a_weight_with_a_tensor_hook_gets_megatrons_dummy(patched, cpu_dummy, zero_out, hook):
+    """0.4.0 handed a hook that scales in place (``g.mul_(0.5)``, or ``p.grad.mul_(0.5)`` in a
+    post-accumulate-grad hook that runs before Megatron-FSDP's) the view of main_grad, which it
+    halved, or the broadcast zeros, where ``mul_`` raises: the hook must get megatron's own dummy,
+    as upstream, and main_grad keep the exact gradient."""
+    weight, gbuf = megatron_fsdp_param(40, 32, distributed=False)
+    if zero_out:
+        weight.zero_out_wgrad = True  # the tied weight on a stage without the embedding's use
+    handle = (weight.register_hook(lambda g: g.mul_(0.5)) if hook == "tensor"
+              else weight.register_post_accumulate_grad_hook(halve_grad))
+    exact, seen = run_with_fsdp_hook(weight, 2)
+    assert storage_of(gbuf.data) not in seen
+    assert rel(gbuf.data.view(weight.shape), sum(exact)) < 1e-6
+    handle.remove()  # no hook left: the view again
+    _, seen = run_with_fsdp_hook(weight, 1)
+    assert zero_out or seen == [storage_of(gbuf.data)]

@@ -186,3 +186,49 @@ def test_the_zeros_are_one_broadcast_element_of_the_weights_device():
         zeros.add_(1)  # a write into it raises, it never lands anywhere
     with torch.autograd.detect_anomaly(check_nan=True):
         assert fsdp_wgrad.broadcast_zero(weight, [6, 4], torch.bfloat16) is None
+
+
+def halving_hooks(monkeypatch) -> None:
+    """Every parameter of the models ``train`` builds gets a tensor hook that halves its
+    gradient in place, as some clipping or scaling code does."""
+
+    class Hooked(tied_lm.TiedLM):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            for p in self.parameters():
+                p.register_hook(lambda g: g.mul_(0.5))
+
+    monkeypatch.setattr(tied_lm, "TiedLM", Hooked)
+
+
+@pytest.mark.parametrize("distributed", BUFFERS)
+@pytest.mark.parametrize("tied, mtp", CASES)
+def test_an_in_place_tensor_hook_sees_megatrons_dummy_never_main_grad(parallel, shared_on, te_dummy, tied, mtp,  # noqa: F811
+                                                                      distributed, monkeypatch):
+    """0.4.0 gave a weight with a tensor hook the view of its main_grad (or the broadcast zeros)
+    as its dummy: ``g.mul_(0.5)`` wrote into main_grad. Each gradient must be bitwise what it is
+    with megatron's own dummy (the hook changes only what upstream's changes)."""
+    target, module = shared_on
+    kwargs = dict(tied=tied, mtp=mtp, distributed=distributed, micro_batches=2,
+                  upstream_failure_skips=not keeps_weight_arguments(target, module))
+    halving_hooks(monkeypatch)
+    _, ours, _, _ = train(module, **kwargs)
+    monkeypatch.setattr(fsdp_wgrad, "main_grad_alias", lambda *args: None)
+    monkeypatch.setattr(fsdp_wgrad, "broadcast_zero", lambda *args: None)
+    _, megatrons, _, _ = train(module, **kwargs)
+    for name in megatrons:
+        same = torch.equal(ours[name].view(torch.int64), megatrons[name].view(torch.int64))
+        assert same, (name, rel(ours[name], megatrons[name]))
+
+
+@pytest.mark.parametrize("distributed", BUFFERS)
+def test_without_hooks_the_untied_output_layer_still_gets_the_view(parallel, shared_on, distributed,  # noqa: F811
+                                                                   monkeypatch):
+    """The memory the view saves stays where no hook can see the dummy."""
+    target, module = shared_on
+    given = []
+    original = fsdp_wgrad.main_grad_alias
+    monkeypatch.setattr(fsdp_wgrad, "main_grad_alias", lambda *args: given.append(original(*args)) or given[-1])
+    train(module, tied=False, mtp=False, distributed=distributed,
+          upstream_failure_skips=not keeps_weight_arguments(target, module))
+    assert given and all(view is not None for view in given), "the view was not given"

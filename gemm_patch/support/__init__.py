@@ -1,0 +1,1 @@
+"""Helpers below every layer: standard library only."""

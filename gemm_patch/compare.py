@@ -180,7 +180,7 @@ def judge(on: Log, off: Log, loss_rtol: float, grad_norm_rtol: float, judge_unti
                 else:
                     needs_noise.append(n)
                     reason, cannot = None, (f"parts beyond the strict bound ({reason}); the run-to-run "
-                                            "drift was not measured (--noise-runs 0)")
+                                            "drift was not measured")
         row["differs"], row["not_compared"] = reason, cannot
         if row["judged"]:
             if reason and first is None:

@@ -17,8 +17,11 @@ pseudo-random sign of the element's index in the parameter. The gradient read is
 (megatron's fp32 buffer) or ``grad``. Where megatron's distributed optimizer reduce-scatters a
 bucket, each rank holds a valid shard of the bucket only: each rank adds up the squares and the
 signed sums over the part of the parameter inside its shard, and a sum over the bucket's group
-combines them; a bucket reduced by all-reduce is counted on the group's first rank only. Ranks of
-other groups (tensor, pipeline) record their own parameters; compare pairs records by rank.
+combines them; a bucket reduced by all-reduce is counted on the group's first rank only. A gradient
+that is a DTensor (Megatron-FSDP's sharded parameters, after ``finish_grad_sync`` has attached the
+reduced shards) is gathered whole, one parameter at a time, with Megatron-FSDP's own helper for
+its uneven shards where it is there. Ranks of other groups (tensor, pipeline) record their own
+parameters; compare pairs records by rank.
 
 Read-only: nothing it does writes to a tensor of the model or changes an argument or a result;
 a failure is recorded (``error``) and the training goes on. Without the variable nothing is
@@ -110,11 +113,30 @@ def _bucket_of(chunk: Any, param: Any) -> tuple[Any, Any] | None:
     return None
 
 
+_UNEVEN_DTENSOR_MODULES = ("megatron_fsdp.uneven_dtensor",
+                           "megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor")
+
+
+def full_tensor(grad: Any) -> Any:
+    """The whole of a DTensor gradient on every rank (a collective: every rank calls it in turn)."""
+    import importlib
+
+    for name in _UNEVEN_DTENSOR_MODULES:
+        try:
+            gather = importlib.import_module(name).uneven_dtensor_to_full_tensor
+        except (ImportError, AttributeError):
+            continue
+        return gather(grad.detach())
+    return grad.detach().full_tensor()
+
+
 def _local_part(chunk: Any, param: Any, grad: Any) -> tuple[Any, int, Any, int]:
     """(the part of grad this rank counts, its start in the parameter, the group to sum over or
     None, this rank's index in it)."""
     import torch.distributed as dist
 
+    if type(grad).__name__ == "DTensor":
+        return full_tensor(grad).reshape(-1), 0, None, 0
     flat = grad.detach().reshape(-1)
     found = _bucket_of(chunk, param)
     if found is None or not dist.is_initialized():
@@ -165,9 +187,9 @@ def record(chunks: Iterable[Any]) -> dict[str, Any]:
         out["gemm_patch"] = _gemm_patch_state()
         rows, by_group = [], {}
         for name, chunk, param in _named_parameters(chunks):
-            grad = getattr(param, "main_grad", None)
+            grad = None if type(param).__name__ == "DTensor" else getattr(param, "main_grad", None)
             grad = param.grad if grad is None else grad
-            if grad is None or type(grad).__name__ == "DTensor":
+            if grad is None:
                 out["without_gradient"].append(name)
                 continue
             part, start, comm, _ = _local_part(chunk, param, grad)

@@ -1,0 +1,90 @@
+"""The read-only gradient probe (gemm_patch/grad_probe.py) and compare's per-parameter judgement,
+on megatron-core's real layers, DistributedDataParallel and finalize_model_grads
+(tests/probes/megatron_pretrain.py, the matrix's test release), in one process and on two gloo
+ranks under torchrun."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from process_env import ROOT, clean_env, free_port, gemm_patch_command
+
+from gemm_patch import compare_params, grad_probe
+from gemm_patch.launcher import launch_env
+
+pytest.importorskip("torch")
+STAND_IN = str(ROOT / "tests" / "probes" / "megatron_pretrain.py")
+
+
+def megatron_env(**variables: str) -> dict[str, str]:
+    env = clean_env(megatron=True, **variables)
+    env["PYTHONPATH"] = f"{env['PYTHONPATH']}:{ROOT}"
+    return env
+
+
+def compare(tmp_path: Path, *command: str, **variables: str) -> tuple[int, dict]:
+    proc = subprocess.run([*gemm_patch_command(), "compare", "--logs", str(tmp_path), "--json", "--", *command],
+                          env=megatron_env(**variables), capture_output=True, text=True, timeout=600)
+    assert proc.stdout.startswith("{"), proc.stderr[-3000:]
+    return proc.returncode, json.loads(proc.stdout)
+
+
+def test_each_parameter_judged_and_one_lost_parameter_differs_where_the_global_norm_agrees(tmp_path):
+    code, same = compare(tmp_path / "same", sys.executable, STAND_IN)
+    assert code == 0 and same["verdict"] == "same", same["summary"]
+    params = same["parameters"]
+    assert params["judged"] and params["count"] == 3 and params["differs"] == []
+    assert params["worst"]["rel"] < compare_params.BF16_BOUND  # the bf16 rounding of fusion off only
+    assert same["runs"]["off"]["env"]["GEMM_PATCH"] == "0" and same["runs"]["off"]["probe"]["ranks"] == [0]
+
+    code, lost = compare(tmp_path / "lost", sys.executable, STAND_IN, MEGATRON_PRETRAIN_FAULT="lose_scale")
+    assert code == 1 and lost["verdict"] == "differs", lost["summary"]
+    assert lost["summary"].startswith("differs at iteration 1: parameter module.scale: ")
+    assert lost["first_difference"] is None  # megatron's loss and grad norm alone: no difference
+    assert lost["rows"][0]["grad_norm"][0] == lost["rows"][0]["grad_norm"][1]
+
+
+def probe_records(tmp_path: Path, *options: str) -> dict[int, dict]:
+    folder = tmp_path / "probe"
+    env = launch_env(megatron_env(**{grad_probe.ENV: str(folder)}))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-port", str(free_port()), STAND_IN, "--train-iters", "1", *options],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return grad_probe.read(str(folder))
+
+
+def test_two_ranks_the_distributed_optimizers_shards_are_combined(tmp_path):
+    """The same gradients reduced by all-reduce (whole on each rank) and by reduce-scatter (one
+    shard per rank, a parameter cut between the two): the same record on both ranks."""
+    whole = probe_records(tmp_path / "all_reduce")
+    sharded = probe_records(tmp_path / "reduce_scatter", "--use-distributed-optimizer")
+    assert sorted(whole) == sorted(sharded) == [0, 1]
+    for rank in (0, 1):
+        a, b = whole[rank]["parameters"], sharded[rank]["parameters"]
+        assert sorted(a) == sorted(b) == ["module.fc1.weight", "module.fc2.weight", "module.scale"]
+        for name in a:
+            assert b[name]["norm"] == pytest.approx(a[name]["norm"], rel=1e-9, abs=1e-12), name
+            assert b[name]["projections"] == pytest.approx(a[name]["projections"], rel=1e-9, abs=1e-9), name
+            assert compare_params.rel(b[name], a[name]) < 1e-9
+        assert whole[rank]["gemm_patch"]["applied"] and whole[rank]["hook"].endswith("finalize_model_grads")
+
+
+def test_projections_estimate_the_relative_difference():
+    """rel() from the records of two gradients against their true ||g - g_ref|| / ||g_ref||."""
+    torch = pytest.importorskip("torch")
+    gen = torch.Generator().manual_seed(0)
+    g_ref = torch.randn(5000, generator=gen, dtype=torch.float64)
+    for scale in (2.0 ** -9, 0.05, 0.5):
+        g = g_ref + scale * torch.randn(5000, generator=gen, dtype=torch.float64)
+        true = ((g - g_ref).norm() / g_ref.norm()).item()
+
+        def rec(t):
+            values = grad_probe.contribution(t, 0).tolist()
+            return {"norm": math.sqrt(values[0]), "projections": values[1:]}
+        assert true / 3 < compare_params.rel(rec(g), rec(g_ref)) < 3 * true, scale

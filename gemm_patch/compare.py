@@ -17,7 +17,7 @@ Proof first (exit 2 where missing): megatron's argument dump says gradient_accum
 True in the fusion-on run and False in the fusion-off run; the fusion-on run shows gemm-patch
 applied (its ``[gemm_patch] INFO`` lines or the probe's record) and no ``[gemm_patch] ERROR``.
 
-Then the verdict (docs/using-with.md, "How compare judges"):
+Then the verdict (docs/using-with.md, "How it judges"):
 
 - iteration 1 starts from the same weights and batch, so the two runs' gradients differ only in
   how each weight gradient is accumulated: each parameter's gradient (the probe's records) within

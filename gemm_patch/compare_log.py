@@ -9,8 +9,9 @@ its memory report (after iteration 1 and the next logged one; every ``--log-memo
 
     [Rank 0] (after 10 iterations) memory (MB) | allocated: 323.11 | max allocated: 679.93 | reserved: ...
 
-its argument dump (``  gradient_accumulation_fusion .......... True``; Megatron-Bridge's config
-prints ``gradient_accumulation_fusion: true``), gemm-patch's own ``[gemm_patch] LEVEL:`` lines, and
+its argument dump (``  gradient_accumulation_fusion .......... True``; a config printed as YAML or
+key=value, ``gradient_accumulation_fusion: true``, is read too), gemm-patch's own ``[gemm_patch]
+LEVEL:`` lines, and
 the exception a failed worker printed. The same in megatron-core 0.17.1 and 0.19.2 and in
 Megatron-Bridge's log. A launcher's line prefix (``[default0]:``, ``[rank0]:``) is allowed.
 """

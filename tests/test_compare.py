@@ -212,7 +212,7 @@ def test_gemm_patch_off_in_the_command_or_environment_is_a_usage_error(gemm_patc
 def test_a_fused_run_without_gemm_patch_is_not_proven(gemm_patch_compare):
     """Fusion that runs without gemm-patch (apex installed, say), in a Python that skips the
     launcher's hook (-I): no gemm-patch line."""
-    code, out, _, _ = gemm_patch_compare("--no-probe", command=[sys.executable, "-I", *FAKE[1:]], fault="apex")
+    code, out, _, _ = gemm_patch_compare(command=[sys.executable, "-I", *FAKE[1:]], fault="apex")
     assert code == 2
     assert "not proven: no sign that gemm-patch was applied in the fusion on (gemm-patch) run" in out
 
@@ -332,7 +332,7 @@ def test_a_sidecar_holding_the_output_does_not_hold_compare(gemm_patch_compare, 
 
     monkeypatch.setenv("FAKE_PRETRAIN_PIDS", str(tmp_path / "pids"))
     start = time.monotonic()
-    code, out, _, _ = gemm_patch_compare("--no-probe", fault="sidecar")
+    code, out, _, _ = gemm_patch_compare(fault="sidecar")
     assert code == 0, out
     assert time.monotonic() - start < 40  # each sidecar would hold its run's output for 60 s
     sidecars = [int(line.split()[1]) for line in (tmp_path / "pids").read_text().splitlines()]

@@ -88,3 +88,21 @@ def test_projections_estimate_the_relative_difference():
             values = grad_probe.contribution(t, 0).tolist()
             return {"norm": math.sqrt(values[0]), "projections": values[1:]}
         assert true / 3 < compare_params.rel(rec(g), rec(g_ref)) < 3 * true, scale
+
+
+def test_dtensor_gradients_are_gathered_whole(tmp_path):
+    """Megatron-FSDP's parameters after finish_grad_sync: DTensors, each rank one uneven shard of the
+    reduced gradient; every rank records the whole gradient's values."""
+    env = megatron_env()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-port", str(free_port()), str(ROOT / "tests" / "probes" / "dtensor_probe.py")],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert sorted(line["local_rows"] for line in lines) == [3, 4]
+    for line in lines:
+        rec, expected = line["record"], line["expected"]
+        assert "error" not in rec and rec["without_gradient"] == []
+        got = rec["parameters"]["weight"]
+        assert got["norm"] == pytest.approx(math.sqrt(expected[0]), rel=1e-12)
+        assert got["projections"] == pytest.approx(expected[1:], rel=1e-12, abs=1e-12)

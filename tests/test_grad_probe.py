@@ -1,7 +1,7 @@
 """The read-only gradient probe (gemm_patch/grad_probe.py) and compare's per-parameter judgement,
 on megatron-core's real layers, DistributedDataParallel and finalize_model_grads
-(tests/probes/megatron_pretrain.py, the matrix's test release), in one process and on two gloo
-ranks under torchrun."""
+(tests/probes/megatron_pretrain.py; megatron-core 0.14.0, 0.17.1 and 0.19.2 for the hook, the
+matrix's test release for the rest), in one process and on two gloo ranks under torchrun."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from process_env import ROOT, clean_env, free_port, gemm_patch_command
+from process_env import MEGATRON_RELEASE, ROOT, free_port, gemm_patch_command, matrix
 
 from gemm_patch import compare_params, grad_probe
 from gemm_patch.launcher import launch_env
@@ -21,28 +21,30 @@ pytest.importorskip("torch")
 STAND_IN = str(ROOT / "tests" / "probes" / "megatron_pretrain.py")
 
 
-def megatron_env(**variables: str) -> dict[str, str]:
-    env = clean_env(megatron=True, **variables)
-    env["PYTHONPATH"] = f"{env['PYTHONPATH']}:{ROOT}"
+def megatron_env(release: str = MEGATRON_RELEASE, **variables: str) -> dict[str, str]:
+    """That release alone importable, with gemm_patch and the stand-in's folder; no GEMM_PATCH_* of ours."""
+    env = {k: v for k, v in matrix.release_env(release).items() if not k.startswith("GEMM_PATCH")}
+    env.update(PYTHONPATH=f"{env['PYTHONPATH']}:{ROOT}", PYTHONWARNINGS="ignore", **variables)
     return env
 
 
-def compare(tmp_path: Path, *command: str, **variables: str) -> tuple[int, dict]:
+def compare(tmp_path: Path, release: str, *command: str, **variables: str) -> tuple[int, dict]:
     proc = subprocess.run([*gemm_patch_command(), "compare", "--logs", str(tmp_path), "--json", "--", *command],
-                          env=megatron_env(**variables), capture_output=True, text=True, timeout=600)
+                          env=megatron_env(release, **variables), capture_output=True, text=True, timeout=600)
     assert proc.stdout.startswith("{"), proc.stderr[-3000:]
     return proc.returncode, json.loads(proc.stdout)
 
 
-def test_each_parameter_judged_and_one_lost_parameter_differs_where_the_global_norm_agrees(tmp_path):
-    code, same = compare(tmp_path / "same", sys.executable, STAND_IN)
+@pytest.mark.parametrize("release", ["0.14.0", "0.17.1", "0.19.2"])
+def test_each_parameter_judged_and_one_lost_parameter_differs_where_the_global_norm_agrees(tmp_path, release):
+    code, same = compare(tmp_path / "same", release, sys.executable, STAND_IN)
     assert code == 0 and same["verdict"] == "same", same["summary"]
     params = same["parameters"]
     assert params["judged"] and params["count"] == 3 and params["differs"] == []
     assert params["worst"]["rel"] < compare_params.BF16_BOUND  # the bf16 rounding of fusion off only
     assert same["runs"]["off"]["env"]["GEMM_PATCH"] == "0" and same["runs"]["off"]["probe"]["ranks"] == [0]
 
-    code, lost = compare(tmp_path / "lost", sys.executable, STAND_IN, MEGATRON_PRETRAIN_FAULT="lose_scale")
+    code, lost = compare(tmp_path / "lost", release, sys.executable, STAND_IN, MEGATRON_PRETRAIN_FAULT="lose_scale")
     assert code == 1 and lost["verdict"] == "differs", lost["summary"]
     assert lost["summary"].startswith("differs at iteration 1: parameter module.scale: ")
     assert lost["first_difference"] is None  # megatron's loss and grad norm alone: no difference
@@ -51,7 +53,7 @@ def test_each_parameter_judged_and_one_lost_parameter_differs_where_the_global_n
 
 def probe_records(tmp_path: Path, *options: str) -> dict[int, dict]:
     folder = tmp_path / "probe"
-    env = launch_env(megatron_env(**{grad_probe.ENV: str(folder)}))
+    env = launch_env(megatron_env(**{grad_probe.ENV: str(folder)}))  # as compare starts each run
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                            "--master-port", str(free_port()), STAND_IN, "--train-iters", "1", *options],
                           env=env, capture_output=True, text=True, timeout=600)

@@ -17,6 +17,7 @@ import math
 import os
 import sys
 import tempfile
+import types
 
 import torch
 
@@ -80,6 +81,9 @@ def print_arguments(args: argparse.Namespace) -> None:
 def main(argv: list[str]) -> int:
     args = parse(argv)
     torch.cuda.current_device = lambda: "cpu"  # megatron allocates its buffers there
+    # 0.19's gradient sync waits on the current CUDA stream's events (none on the CPU)
+    torch.cuda.current_stream = lambda *a, **k: types.SimpleNamespace(wait_event=lambda e: None,
+                                                                      wait_stream=lambda s: None)
     import torch.distributed as dist
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -68,12 +68,13 @@ launcher() {  # 1 rank: torchrun; 2 ranks: both on GPU 0 through NCCL's socket t
 for case in $CASES; do
     ranks=${case##*_}
     case $case in
-        dense_tied_*) kind=dense; env=(); expect="same" ;;
+        dense_tied_*) kind=dense; env=(); expect="same:" ;;  # judged per parameter, not "global values only"
         fixes_off_*) kind=dense; env=(GEMM_PATCH_SHARED_GRAD=0 GEMM_PATCH_TE_OVERWRITE=0); expect="differs at iteration 1: parameter" ;;
         moe_*) kind=moe; env=(); expect="not differs" ;;
         *) echo "run_h200.sh: unknown case $case (dense_tied_N, fixes_off_N, moe_1)"; exit 2 ;;
     esac
-    read -r -a args <<< "$(model_args $kind)" || exit 2
+    read -r -a args <<< "$(model_args $kind)"
+    [ "${#args[@]}" -gt 10 ] || { echo "run_h200.sh: could not build pretrain_gpt.py's flags"; exit 2; }
     read -r -a launch <<< "$(launcher "$ranks")"
     rm -rf "$OUT/logs/$case"
     echo "== $case ($(date -u +%FT%TZ)): ${env[*]} gemm-patch compare --iters $ITERS -- ${launch[*]} pretrain_gpt.py ..."

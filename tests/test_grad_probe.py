@@ -108,3 +108,12 @@ def test_dtensor_gradients_are_gathered_whole(tmp_path):
         got = rec["parameters"]["weight"]
         assert got["norm"] == pytest.approx(math.sqrt(expected[0]), rel=1e-12)
         assert got["projections"] == pytest.approx(expected[1:], rel=1e-12, abs=1e-12)
+
+
+def test_two_ranks_under_torchrun_a_lost_parameter_is_named_with_its_rank(tmp_path):
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+               str(free_port()), STAND_IN, "--use-distributed-optimizer"]
+    code, lost = compare(tmp_path, MEGATRON_RELEASE, *command, MEGATRON_PRETRAIN_FAULT="lose_scale")
+    assert code == 1 and lost["runs"]["on"]["probe"]["ranks"] == [0, 1], lost["summary"]
+    assert lost["summary"].startswith("differs at iteration 1: parameter module.scale (rank ")
+    assert lost["first_difference"] is None

@@ -37,6 +37,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shlex
 import sys
 import tempfile
@@ -64,6 +65,7 @@ LOOKED_FOR = ("megatron's training log line ' iteration N/ M | ... elapsed time 
               "lm loss: X | ... grad norm: X |' (printed on the last rank at iteration 1 and every --log-interval)")
 FUSION_LINE = "megatron's argument dump line 'gradient_accumulation_fusion ........ True|False'"
 UNPATCHED_MARKS = ("cannot import gemm_patch", "runs unpatched")
+GEMM_PATCH_OFF_RE = re.compile(r"(?:^|[\s;&|])GEMM_PATCH=['\"]?(?:0|false|no|off)\b", re.IGNORECASE)
 
 
 @dataclass
@@ -471,7 +473,7 @@ def _usage(command: list[str], args: argparse.Namespace, off_args: list[str]) ->
     if carried:
         return (f"the command already carries {carried[0]}: its fusion-on run would not be fused; "
                 "give compare the command as it runs with fusion on")
-    if any(word.startswith("GEMM_PATCH=0") or " GEMM_PATCH=0" in word for word in command) \
+    if any(GEMM_PATCH_OFF_RE.search(word) for word in command) \
             or os.environ.get("GEMM_PATCH", "").strip().lower() in ("0", "false", "no", "off"):
         return ("GEMM_PATCH=0 (in the command or the environment) turns gemm-patch off in the fusion-on run: "
                 "remove it; compare sets it in the fusion-off run itself")

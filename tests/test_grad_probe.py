@@ -117,3 +117,21 @@ def test_two_ranks_under_torchrun_a_lost_parameter_is_named_with_its_rank(tmp_pa
     assert code == 1 and lost["runs"]["on"]["probe"]["ranks"] == [0, 1], lost["summary"]
     assert lost["summary"].startswith("differs at iteration 1: parameter module.scale (rank ")
     assert lost["first_difference"] is None
+
+
+def test_off_nothing_is_wrapped_and_on_the_training_is_unchanged(tmp_path):
+    """Without GEMM_PATCH_GRAD_PROBE, megatron's finalize_model_grads is its own function; with it,
+    every logged value of the run is what it is without (the probe only reads)."""
+    check = ("import gemm_patch, wrapt; from megatron.core.distributed import finalize_model_grads as f; "
+             "print(type(f).__name__)")
+    proc = subprocess.run([sys.executable, "-c", check], env=megatron_env(), capture_output=True, text=True)
+    assert proc.stdout.strip() == "function", proc.stderr[-2000:]
+
+    def iteration_lines(**variables: str) -> list[str]:
+        out = subprocess.run([sys.executable, STAND_IN, "--train-iters", "3"],
+                             env=launch_env(megatron_env(**variables)), capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return [line for line in out.stdout.splitlines() if " iteration " in line]
+    folder = tmp_path / "probe"
+    assert iteration_lines(**{grad_probe.ENV: str(folder)}) == iteration_lines()
+    assert sorted(grad_probe.read(str(folder))) == [0]

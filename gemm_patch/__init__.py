@@ -42,5 +42,17 @@ def _auto_apply() -> None:
         apply_quietly()
 
 
+def _start_grad_probe() -> None:
+    """The read-only gradient probe of ``gemm-patch compare`` (GEMM_PATCH_GRAD_PROBE), also where
+    GEMM_PATCH=0: it patches nothing."""
+    import os
+
+    if os.environ.get("GEMM_PATCH_GRAD_PROBE"):
+        from . import grad_probe
+
+        grad_probe.install()
+
+
 if not _imported_by_own_command():
     _auto_apply()
+    _start_grad_probe()

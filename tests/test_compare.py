@@ -84,7 +84,10 @@ def gemm_patch_compare(monkeypatch, tmp_path, capsys):
         if fault:
             monkeypatch.setenv("FAKE_PRETRAIN", fault)
         command = FAKE if command is None else command
-        code = cli.main(["compare", "--logs", str(tmp_path / "logs"), *options, "--", *command])
+        try:
+            code = cli.main(["compare", "--logs", str(tmp_path / "logs"), *options, "--", *command])
+        except SystemExit as stop:  # argparse's own check of a value
+            code = stop.code
         out, err = capsys.readouterr()
         calls = [json.loads(line) for line in argv_file.read_text().splitlines()] if argv_file.exists() else []
         argv_file.unlink(missing_ok=True)
@@ -97,9 +100,11 @@ def test_same_with_iters_runs_patched_fusion_on_then_megatron_alone_fusion_off(g
     assert code == 0, out + err
     on, off = calls
     assert on["fused"] and on["patched"] and on["argv"][-2:] == ["--train-iters", "10"]
-    assert not off["fused"] and not off["patched"] and off["env"] == {"GEMM_PATCH": "0"}
+    assert not off["fused"] and not off["patched"] and off["env"]["GEMM_PATCH"] == "0"
+    assert off["env"]["GEMM_PATCH_GRAD_PROBE"].endswith("fusion_off.grad_probe")
     assert off["argv"][-3:] == ["--train-iters", "10", "--no-gradient-accumulation-fusion"]
-    assert "verdict: same" in out and "(iterations 1, 5, 10)" in out
+    assert "verdict: same (global values only: the gradient probe wrote no record" in out
+    assert "(iterations 1, 5, 10)" in out
     assert "on / off 0.983" in out  # 296.5 / 301.5 ms, the medians after the first line
 
 
@@ -148,10 +153,212 @@ def test_json_record(gemm_patch_compare, tmp_path):
     assert on["memory"][-1]["allocated_mb"] - off["memory"][-1]["allocated_mb"] == pytest.approx(1002.0)
     assert on["step_ms"] == 296.5 and off["command"][-1] == "--no-gradient-accumulation-fusion"
     assert record["tolerance"] == {"loss_rtol": 1e-3, "grad_norm_rtol": 1e-2, "grad_norm_printed": 1e-3,
-                                   "judge_until": 20}
+                                   "judge_until": 20, "parameter_bound": 2 ** -7, "noise_factor": 3.0}
 
 
 def test_usage_errors_exit_2(gemm_patch_compare):
     assert gemm_patch_compare(command=[])[0] == 2
     assert gemm_patch_compare("--iters", "0")[0] == 2
     assert gemm_patch_compare("--iters", "3", "--iters-arg", "--train-iters 3")[0] == 2
+
+
+# --- never "same" on what it could not compare ------------------------------------------------
+
+
+def strict_json(text: str):
+    def refuse(name):
+        raise ValueError(f"not JSON: {name}")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_a_nan_grad_norm_is_not_compared_and_the_record_stays_json(gemm_patch_compare):
+    code, out, _, _ = gemm_patch_compare("--json", fault="nan")
+    record = strict_json(out)
+    assert code == compare.EXIT_NOT_COMPARED and record["verdict"] == "not compared"
+    assert record["summary"].startswith("not compared at iteration 1: grad norm nan in the fusion-on run")
+    assert record["rows"][0]["grad_norm"] == [None, 25.7]
+    assert record["not_finite"]["rows[0].grad_norm[0]"] == "nan"
+    assert record["runs"]["on"]["iterations"][0]["grad_norm"] is None
+
+
+@pytest.mark.parametrize("fault, code, verdict", [
+    ("skipped", 3, "not compared at iteration 1: a step skipped in the fusion-on run (fp16 loss scaler"),
+    ("gap", 3, "not compared at iteration 5: logged by the fusion-off run only"),
+    # proof that the runs are what they claim
+    ("wrapper", 2, "not proven: the fusion off run ran with gradient_accumulation_fusion True"),
+    ("no_args", 2, "not proven: cannot find megatron's argument dump line 'gradient_accumulation_fusion"),
+])
+def test_what_compare_cannot_show_is_never_same(gemm_patch_compare, fault, code, verdict):
+    got, out, _, _ = gemm_patch_compare(fault=fault)
+    assert got == code and f"verdict: {verdict}" in out, out
+
+
+def test_a_command_that_carries_the_off_flag_is_a_usage_error(gemm_patch_compare):
+    code, _, err, calls = gemm_patch_compare(command=[*FAKE, "--no-gradient-accumulation-fusion"])
+    assert code == 2 and calls == []
+    assert err.strip().splitlines() == [
+        "gemm-patch compare: the command already carries --no-gradient-accumulation-fusion: its fusion-on run "
+        "would not be fused; give compare the command as it runs with fusion on"]
+
+
+def test_gemm_patch_off_in_the_command_or_environment_is_a_usage_error(gemm_patch_compare, monkeypatch):
+    code, _, err, calls = gemm_patch_compare(command=["env", "GEMM_PATCH=0", *FAKE])
+    assert code == 2 and calls == [] and "GEMM_PATCH=0 (in the command or the environment)" in err
+    monkeypatch.setenv("GEMM_PATCH", "0")
+    code, _, err, calls = gemm_patch_compare()
+    assert code == 2 and calls == [] and "GEMM_PATCH=0" in err
+
+
+def test_a_fused_run_without_gemm_patch_is_not_proven(gemm_patch_compare):
+    """Fusion that runs without gemm-patch (apex installed, say), in a Python that skips the
+    launcher's hook (-I): no gemm-patch line."""
+    code, out, _, _ = gemm_patch_compare(command=[sys.executable, "-I", *FAKE[1:]], fault="apex")
+    assert code == 2
+    assert "not proven: no sign that gemm-patch was applied in the fusion on (gemm-patch) run" in out
+
+
+def test_a_fused_run_whose_python_cannot_import_gemm_patch_is_not_proven(gemm_patch_compare, tmp_path, monkeypatch):
+    """The real start-up hook's ERROR line: a megatron.core to trigger it, a wrapt that fails to import."""
+    site = tmp_path / "site"
+    (site / "megatron" / "core").mkdir(parents=True)
+    (site / "megatron" / "core" / "__init__.py").write_text("")
+    (site / "wrapt.py").write_text("raise ImportError('wrapt is broken here')\n")
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    code, out, _, _ = gemm_patch_compare(fault="apex")
+    assert code == 2
+    assert "not proven: gemm-patch was not applied in the fusion on (gemm-patch) run: [gemm_patch] ERROR: " \
+           "cannot import gemm_patch" in out
+
+
+# --- noise measured, not assumed --------------------------------------------------------------
+
+
+def test_run_to_run_drift_is_measured_and_not_a_difference(gemm_patch_compare):
+    code, out, _, calls = gemm_patch_compare("--json", fault="drift")
+    record = json.loads(out)
+    assert code == 0, record["summary"]
+    assert len(calls) == 3 and not calls[2]["fused"]  # one more fusion-off run, measured automatically
+    assert record["verdict"] == "same" and "noise measured by 1 more fusion-off run" in record["summary"]
+    assert record["rows"][2]["noise"]["grad_norm_rel"] > 0.05
+
+
+def test_without_measured_drift_a_later_iteration_is_not_compared(gemm_patch_compare):
+    code, out, _, calls = gemm_patch_compare("--noise-runs", "0", fault="drift")
+    assert code == compare.EXIT_NOT_COMPARED and len(calls) == 2
+    assert "verdict: not compared at iteration 5: parts beyond the strict bound" in out
+
+
+def test_a_loss_past_the_first_iteration_still_differs_against_measured_drift(gemm_patch_compare):
+    code, out, _, calls = gemm_patch_compare(fault="lost_later")
+    assert code == compare.EXIT_DIFFERS and len(calls) == 3
+    assert "verdict: differs at iteration 5: grad norm" in out and "run-to-run drift" in out
+
+
+# --- failures, signals, output ----------------------------------------------------------------
+
+
+def test_a_failed_run_names_the_workers_exception_not_the_launchers(gemm_patch_compare):
+    code, out, err, _ = gemm_patch_compare(fault="torchrun")
+    assert code == 2
+    cause = "exit code 1: AssertionError: Multi-Token Prediction (MTP) is not supported with learned_absolute"
+    assert f"verdict: the fusion on (gemm-patch) run failed: {cause}" in out
+    assert err.index(cause) < err.index("ChildFailedError")
+
+
+@pytest.mark.parametrize("options", [("--iters", "3", "--iters-arg", "--train-iters '{n}"),
+                                     ("--loss-rtol", "abc"), ("--iters", "0"), ("--noise-runs", "some")])
+def test_bad_flag_values_are_one_line_usage_errors(gemm_patch_compare, options):
+    code, _, err, calls = gemm_patch_compare(*options)
+    assert code == 2 and calls == [] and len(err.strip().splitlines()) == 1, err
+
+
+def test_bad_flag_values_print_one_line(tmp_path):
+    import subprocess
+
+    for options in (["--iters", "3", "--iters-arg", "--train-iters '{n}"], ["--loss-rtol", "abc"]):
+        proc = subprocess.run([sys.executable, "-m", "gemm_patch", "compare", *options, "--", *FAKE],
+                              capture_output=True, text=True, cwd=tmp_path, env=_clean_env())
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert proc.stderr.startswith("gemm-patch compare: ") and "Traceback" not in proc.stderr
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GEMM_PATCH", "FAKE_PRETRAIN"))}
+    env["PYTHONPATH"] = str(ROOT)
+    return {**env, **extra}
+
+
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is gone for good
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+@pytest.mark.parametrize("signame, code", [("SIGTERM", 143), ("SIGINT", 130)])
+def test_a_signal_ends_the_runs_whole_process_group(tmp_path, signame, code):
+    import signal
+    import subprocess
+    import time
+
+    pids = tmp_path / "pids"
+    proc = subprocess.Popen([sys.executable, "-m", "gemm_patch", "compare", "--logs", str(tmp_path / "logs"), "--",
+                             *FAKE], env=_clean_env(FAKE_PRETRAIN="hang", FAKE_PRETRAIN_PIDS=str(pids)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (pids.exists() and pids.read_text().endswith("\n")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    started = [int(p) for p in pids.read_text().split()]
+    proc.send_signal(getattr(signal, signame))
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == code, err
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in started) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in started)
+    assert f"{signame} during the fusion on (gemm-patch) run" in err
+
+
+def test_a_sidecar_holding_the_output_does_not_hold_compare(gemm_patch_compare, monkeypatch, tmp_path):
+    import time
+
+    monkeypatch.setenv("FAKE_PRETRAIN_PIDS", str(tmp_path / "pids"))
+    start = time.monotonic()
+    code, out, _, _ = gemm_patch_compare(fault="sidecar")
+    assert code == 0, out
+    assert time.monotonic() - start < 40  # each sidecar would hold its run's output for 60 s
+    sidecars = [int(line.split()[1]) for line in (tmp_path / "pids").read_text().splitlines()]
+    assert len(sidecars) == 2 and not any(_alive(p) for p in sidecars)
+    assert "processes it left running in its process group were ended" in (
+        tmp_path / "logs" / "fusion_on.log").read_text()
+
+
+def test_each_runs_lines_come_under_its_own_header(gemm_patch_compare):
+    code, out, _, _ = gemm_patch_compare()
+    assert code == 0, out
+    assert out.index("fusion on (gemm-patch): ") < out.index("[gemm_patch] INFO") < out.index("fusion off: ")
+
+
+def test_help_one_exit_status_table_and_what_each_subcommand_does():
+    import subprocess
+
+    def help_of(*command: str) -> str:
+        return subprocess.run([sys.executable, "-m", "gemm_patch", *command, "--help"], capture_output=True,
+                              text=True, env=_clean_env()).stdout
+
+    top = help_of()
+    assert top.count("exit status:") == 1 and "3 not compared" in top and "130/143" in top
+    for command in ("status", "demo", "doctor", "run", "compare"):
+        text = help_of(command)
+        assert "exit status: see `gemm-patch --help`" in text and "  0  success" not in text, command
+        assert text.split("\n\n")[1].strip(), command  # a description of what it does
+    assert "relative difference |on - off| / |off| of megatron's logged lm loss" in " ".join(
+        help_of("compare").split())

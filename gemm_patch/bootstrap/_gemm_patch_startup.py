@@ -60,11 +60,18 @@ def _flag(name):
     return os.environ.get(name, "").strip().lower()
 
 
+def _off():
+    """GEMM_PATCH=0, unless the read-only gradient probe is asked for (GEMM_PATCH_GRAD_PROBE, set
+    by `gemm-patch compare` in its fusion-off run): gemm_patch is then imported, applies nothing,
+    and installs the probe."""
+    return _flag("GEMM_PATCH") in _FALSE and not os.environ.get("GEMM_PATCH_GRAD_PROBE")
+
+
 def start(source):
     """Arrange for gemm_patch to be imported (so applied) in this process when a target's
     package is imported; ``source`` names the hook in messages."""
     global _finder
-    if _done or _flag("GEMM_PATCH") in _FALSE:
+    if _done or _off():
         return  # GEMM_PATCH=0 beats every entry point; don't even import the package
     if _finder is not None:
         return
@@ -115,7 +122,7 @@ def load_gemm_patch(source, trigger=None):
             sys.meta_path.remove(finder)
         except ValueError:
             pass
-    if _flag("GEMM_PATCH") in _FALSE:
+    if _off():
         return  # set since start-up (by a sitecustomize, say): still nothing imported
     try:
         import gemm_patch  # noqa: F401

@@ -1,6 +1,6 @@
 """The gemm-patch command (also python -m gemm_patch).
 
-Every command ends in a documented exit status (see EPILOG). A refusal of strict mode
+Every command ends in a documented exit status (EPILOG, the one table, in `gemm-patch --help`). A refusal of strict mode
 (GemmPatchError, raised while the patch is applied or while a target module is imported) and a
 missing device or call site end in one line on stderr, never in a traceback.
 """
@@ -23,6 +23,8 @@ gemm_patch lets megatron-core's fused weight-gradient path write fp32 main grads
 bf16/fp16 activations (Megatron-FSDP with gradient-accumulation fusion). `import gemm_patch`
 applies the patch; this command reports on it, checks it, and shows it."""
 
+SEE_EXIT_STATUS = "exit status: see `gemm-patch --help`"
+
 EPILOG = """\
 exit status:
   0  success: status printed; doctor: the backend in use is right; demo: the fix shown
@@ -35,8 +37,14 @@ exit status:
      with the patch turned off (GEMM_PATCH=0); doctor --device cuda where torch has no CUDA
      device
   run: the exit status of COMMAND (127: not found, 126: cannot be started)
-  compare: 0 the two runs agree within the tolerance, 1 they differ (or exactly one of them
-     failed), 2 usage error, a log without megatron's iteration lines, or both runs failed
+  compare: 0 same: the runs agree (per parameter at iteration 1, then within the
+     measured run-to-run drift); 1 they differ, or exactly one run failed; 2 usage error,
+     a log without megatron's iteration lines, both runs failed, or not proven (megatron's
+     argument dump does not show fusion on in one run and off in the other, or the
+     fusion-on run shows no sign of gemm-patch applied); 3 not compared (NaN or inf, a
+     step skipped by the fp16 loss scaler, an iteration one run logged and the other did
+     not, a later iteration past the strict bound with the drift not measured); 130/143
+     interrupted by SIGINT/SIGTERM (both runs' processes ended)
 
 Each error ends in one line on stderr, starting with "gemm-patch COMMAND:".
 GEMM_PATCH_LOG_LEVEL=DEBUG also logs the warnings that importing megatron raises
@@ -188,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser("status", help="what is installed, what is patched, which backends run",
                        description="Import the target modules, then say what the patch did to each\n"
-                       "and which GEMM backends would run.", epilog=EPILOG,
+                       "and which GEMM backends would run.", epilog=SEE_EXIT_STATUS,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="machine-readable (schema 1)")
     p.add_argument("--all", action="store_true", help="every target, also those for code not installed here")
@@ -196,13 +204,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_status)
     p = sub.add_parser("demo", help="the crash, then the fix, on megatron-core's FSDP wgrad path",
                        description="Run megatron-core's Megatron-FSDP fused wgrad call unpatched (the\n"
-                       "crash), then patched (fp32 main grads, compared with fp64).", epilog=EPILOG,
+                       "crash), then patched (fp32 main grads, compared with fp64).", epilog=SEE_EXIT_STATUS,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.set_defaults(func=_demo)
     p = sub.add_parser("doctor", help="check every backend against fp64 on this device; "
                        "non-zero exit if the one in use is wrong or missing",
                        description="Check every GEMM backend against fp64 on this device; exit 1\n"
-                       "if the one in use is wrong or missing.", epilog=EPILOG,
+                       "if the one in use is wrong or missing.", epilog=SEE_EXIT_STATUS,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available, else cpu")
     p.add_argument("--json", action="store_true", help="machine-readable report (schema 1)")
@@ -211,19 +219,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="run a command with gemm_patch applied in every Python process "
                        "it starts", usage="gemm-patch run -- COMMAND [ARGS ...]",
                        description="Run COMMAND with gemm_patch applied in every Python process it "
-                       "starts; exits with COMMAND's own status.")
+                       "starts; exits with COMMAND's own status.", epilog=SEE_EXIT_STATUS)
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="the command and its arguments")
     p.set_defaults(func=_run)
     from . import compare
 
     p = sub.add_parser("compare", help="run a training command twice, fusion on under gemm-patch and fusion "
-                       "off, and compare megatron's loss, grad norm, step time and memory",
+                       "off, and judge each parameter's gradient, megatron's loss and grad norm; step time and memory",
                        usage="gemm-patch compare [OPTIONS] -- COMMAND [ARGS ...]",
                        description="Run COMMAND twice, one after the other: fusion on under gemm-patch (as\n"
-                       "`gemm-patch run`) and fusion off (megatron as shipped, GEMM_PATCH=0), then print\n"
-                       "megatron's logged loss, grad norm and step time per iteration, its memory report,\n"
-                       "and whether the two agree. Options go before `--`; an option's value that starts\n"
-                       "with '-' is written --off-arg=--flag.", epilog=EPILOG,
+                       "`gemm-patch run`) and fusion off (megatron as shipped, GEMM_PATCH=0). Check in\n"
+                       "megatron's argument dump that fusion was on in one and off in the other, and in\n"
+                       "the log that gemm-patch was applied; judge each parameter's gradient after the\n"
+                       "first step (a read-only probe in both runs), then megatron's logged loss and grad\n"
+                       "norm per iteration (later ones against the measured run-to-run drift of fusion\n"
+                       "off); print step time and memory. Options go before `--`; an option's value that\n"
+                       "starts with '-' is written --off-arg=--flag.", epilog=SEE_EXIT_STATUS,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     compare.build_parser(p)
     p.set_defaults(func=_compare)

@@ -1,151 +1,76 @@
 """``gemm-patch compare -- COMMAND ...``: run the user's own training command twice, fusion on
-under gemm-patch and fusion off, one after the other, and judge the two by megatron's own log.
+under gemm-patch and fusion off, one after the other, and judge the two by megatron's own log and
+gemm-patch's read-only gradient probe.
 
 The fusion-on run gets ``gemm-patch run`` semantics (the launcher's environment: every Python
 process the command starts, torchrun workers included, is patched). The fusion-off run is the
 reference, megatron as shipped: the command with ``--no-gradient-accumulation-fusion`` appended
 (``--off-arg`` replaces it, e.g. ``model.gradient_accumulation_fusion=false`` for a
-Megatron-Bridge or NeMo override) and ``GEMM_PATCH=0``, which turns gemm-patch off even where
-the script imports it or ``GEMM_PATCH_AUTO=1`` is set (``--off-patched`` keeps it on there).
+Megatron-Bridge or NeMo override) and ``GEMM_PATCH=0``, which turns every patch off even where the
+script imports gemm_patch or ``GEMM_PATCH_AUTO=1`` is set (``--off-patched`` keeps them on there).
 ``--iters N`` appends ``--train-iters N`` to both (argparse keeps the last occurrence of a flag,
 so it overrides the command's own; ``--iters-arg 'train.train_iters={n}'`` for other styles).
+Both runs carry ``GEMM_PATCH_GRAD_PROBE`` (gemm_patch/grad_probe.py): each rank records every
+parameter's reduced gradient after the first step, beside the run's log.
 
-What is read: megatron's ``training_log`` line (printed on the last rank at iteration 1 and
-every ``--log-interval``; the loss is the mean over the interval, the time per iteration the
-interval's mean)::
+Proof first (exit 2 where missing): megatron's argument dump says gradient_accumulation_fusion
+True in the fusion-on run and False in the fusion-off run; the fusion-on run shows gemm-patch
+applied (its ``[gemm_patch] INFO`` lines or the probe's record) and no ``[gemm_patch] ERROR``.
 
-     [...] iteration       10/      20 | consumed samples: ... | elapsed time per iteration (ms): 775.3 | ...
-       lm loss: 4.276149E+00 | loss scale: 1.0 | grad norm: 0.717 | ...
+Then the verdict (docs/using-with.md, "How it judges"):
 
-and its memory report (after iteration 1 and the next logged one; every ``--log-memory-interval``)::
-
-    [Rank 0] (after 10 iterations) memory (MB) | allocated: 323.11 | max allocated: 679.93 | reserved: ...
-
-The same in megatron-core 0.17.1 and 0.19.2 and in Megatron-Bridge's log.
-
-The verdict (the defaults, ``--loss-rtol``, ``--grad-norm-rtol``, ``--judge-until``): at every
-iteration up to 20 that both runs logged, ``|on - off| <= rtol * |off|`` for the lm loss (1e-3)
-and the grad norm (1e-2; plus 0.001, the grad norm is printed with 3 decimals). Why: iteration 1
-starts from the same weights and batch, so the forward and the loss are the same; the two runs'
-gradients differ only in how each weight gradient is accumulated (fused: in fp32; fusion off:
-rounded to bf16 per micro-batch, a relative error of at most 2^-8 per element, about 2^-9 in
-norm), so the grad norm agrees to about 0.002; 1e-2 is above that and above the slow drift of
-two correct runs over their first updates, and far below what a lost gradient does. Measured on
-Megatron-LM's pretrain_gpt.py (validation/convergence, hidden 512, 4 micro-batches): patched vs
-fusion off, grad norm equal to 3 decimals at iteration 1, 2.5e-3 apart at 20, lm loss 1.2e-5;
-with gemm-patch's correctness fixes off (upstream's fused behaviour) the grad norm is 0.63 apart at
-iteration 1 and the loss 2.2e-3 at 10. Later iterations are printed but not judged: two correct
-runs drift apart (there 2.2e-2 in grad norm at 30, 0.45 at isolated spikes by 70).
-
-Exit status: 0 same, 1 differs (or exactly one run failed), 2 usage, a log it cannot read, or
-both runs failed.
+- iteration 1 starts from the same weights and batch, so the two runs' gradients differ only in
+  how each weight gradient is accumulated: each parameter's gradient (the probe's records) within
+  max(2^-7, 3 x noise) relative (gemm_patch/compare_params.py), the lm loss within ``--loss-rtol``
+  and the grad norm within ``--grad-norm-rtol`` (+0.001: it is printed with 3 decimals);
+- later iterations up to ``--judge-until`` within the same bounds, or, where they part beyond
+  them, within 3 x the run-to-run drift measured by running fusion off again (``--noise-runs``:
+  by default once, only when needed): two correct runs drift apart after their first updates, by
+  an amount that depends on the model (a non-deterministic MoE router parts much sooner);
+- a value compare could not compare (NaN or inf, a step the fp16 loss scaler skipped, an
+  iteration one run logged and the other did not) is never "same": the verdict says so (exit 3).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import shlex
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, NoReturn, TextIO
 
+from . import compare_params, grad_probe
+from .compare_log import ITERATION_RE, Iteration, Log, MemoryReport, parse_log
+from .compare_process import Interrupted, read_text, run_command, signals_end_runs
 from .launcher import launch_env
 
-EXIT_SAME, EXIT_DIFFERS, EXIT_UNREADABLE = 0, 1, 2
+__all__ = ["Iteration", "Log", "MemoryReport", "judge", "main", "parse_log"]
+
+EXIT_SAME, EXIT_DIFFERS, EXIT_UNREADABLE, EXIT_NOT_COMPARED = 0, 1, 2, 3
 DEFAULT_OFF_ARGS = ("--no-gradient-accumulation-fusion",)
 DEFAULT_ITERS_ARG = "--train-iters {n}"
 LOSS_RTOL, GRAD_NORM_RTOL, JUDGE_UNTIL = 1e-3, 1e-2, 20
 GRAD_NORM_PRINTED = 1e-3  # megatron prints the grad norm with 3 decimals
+NOISE_FACTOR = compare_params.NOISE_FACTOR
 TAIL_LINES = 20
-
-ITERATION_RE = re.compile(r"\biteration\s+(\d+)/\s*(\d+)\s*\|(.*)$")
-MEMORY_RE = re.compile(r"\[Rank (\d+)\] \(after (\d+) iterations\) memory \(MB\) \| allocated: ([\d.]+) \| "
-                       r"max allocated: ([\d.]+) \| reserved: ([\d.]+) \| max reserved: ([\d.]+)")
-GEMM_PATCH_LINE_RE = re.compile(r"\[gemm_patch\] (?:INFO|WARNING|ERROR): .*")
 LOOKED_FOR = ("megatron's training log line ' iteration N/ M | ... elapsed time per iteration (ms): X | ... "
               "lm loss: X | ... grad norm: X |' (printed on the last rank at iteration 1 and every --log-interval)")
-
-
-@dataclass
-class Iteration:
-    iteration: int
-    of: int
-    loss: float | None
-    grad_norm: float | None
-    step_ms: float | None
-
-
-@dataclass
-class MemoryReport:
-    rank: int
-    after: int
-    allocated_mb: float
-    max_allocated_mb: float
-    reserved_mb: float
-    max_reserved_mb: float
-
-
-@dataclass
-class Log:
-    iterations: list[Iteration] = field(default_factory=list)
-    memory: list[MemoryReport] = field(default_factory=list)
-    gemm_patch_lines: list[str] = field(default_factory=list)
-
-    def last_memory(self) -> MemoryReport | None:
-        """The latest report of the lowest rank that printed one."""
-        if not self.memory:
-            return None
-        rank = min(m.rank for m in self.memory)
-        return max((m for m in self.memory if m.rank == rank), key=lambda m: m.after)
-
-    def step_ms(self) -> float | None:
-        """Median of the logged per-iteration times after the first line (iteration 1 holds start-up)."""
-        times = [it.step_ms for it in self.iterations[1:] if it.step_ms is not None]
-        return statistics.median(times) if times else None
-
-
-def _number(fields: Mapping[str, str], key: str) -> float | None:
-    try:
-        return float(fields[key])
-    except (KeyError, ValueError):
-        return None
-
-
-def parse_log(text: str) -> Log:
-    """The iteration lines, memory reports and gemm-patch's own log lines of one run's output.
-    An iteration logged twice (a restarted rank) keeps its first line."""
-    log, seen = Log(), set()
-    for line in text.splitlines():
-        m = ITERATION_RE.search(line)
-        if m and int(m.group(1)) not in seen:
-            fields = dict(part.strip().split(": ", 1) for part in m.group(3).split("|") if ": " in part)
-            seen.add(int(m.group(1)))
-            log.iterations.append(Iteration(int(m.group(1)), int(m.group(2)), _number(fields, "lm loss"),
-                                            _number(fields, "grad norm"),
-                                            _number(fields, "elapsed time per iteration (ms)")))
-            continue
-        m = MEMORY_RE.search(line)
-        if m:
-            log.memory.append(MemoryReport(int(m.group(1)), int(m.group(2)), *map(float, m.groups()[2:])))
-            continue
-        m = GEMM_PATCH_LINE_RE.search(line)
-        if m and m.group(0) not in log.gemm_patch_lines:
-            log.gemm_patch_lines.append(m.group(0))
-    return log
+FUSION_LINE = "megatron's argument dump line 'gradient_accumulation_fusion ........ True|False'"
+UNPATCHED_MARKS = ("cannot import gemm_patch", "runs unpatched")
+GEMM_PATCH_OFF_RE = re.compile(r"(?:^|[\s;&|])GEMM_PATCH=['\"]?(?:0|false|no|off)\b", re.IGNORECASE)
 
 
 @dataclass
 class Run:
-    key: str  # "on" or "off"
+    key: str  # "on", "off", "noise1", ...
     label: str
     command: list[str]
     env_changes: dict[str, str]
@@ -155,13 +80,19 @@ class Run:
     seconds: float = 0.0
     log: Log = field(default_factory=Log)
     tail: list[str] = field(default_factory=list)
+    probe: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def probe_dir(self) -> str:
+        return self.log_path.removesuffix(".log") + ".grad_probe"
 
     def shown(self) -> str:
         return f"{self.shown_as}{shlex.join(self.command)}"
 
     def problem(self) -> str | None:
         if self.rc != 0:
-            return f"the {self.label} run failed: exit code {self.rc}"
+            cause = f": {self.log.exception}" if self.log.exception else ""
+            return f"the {self.label} run failed: exit code {self.rc}{cause}"
         if not self.log.iterations:
             return f"cannot read the {self.label} run's log: no megatron iteration line in it"
         if all(it.loss is None for it in self.log.iterations):
@@ -170,71 +101,121 @@ class Run:
 
 
 def execute(run: Run, env: Mapping[str, str], progress: TextIO) -> Run:
-    """Run the command, its output (stdout and stderr) into the log file; one progress line per
-    logged iteration."""
+    """Run the command, its output into the log file; one progress line per logged iteration."""
     start = time.monotonic()
-    with open(run.log_path, "w", encoding="utf-8", errors="replace") as out:
-        try:
-            proc = subprocess.Popen(run.command, env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, text=True, errors="replace", bufsize=1)
-        except FileNotFoundError:
-            out.write(f"{run.command[0]}: command not found\n")
-            run.rc = 127
-        except OSError as exc:
-            out.write(f"{run.command[0]}: {exc.strerror or exc}\n")
-            run.rc = 126
-        else:
-            assert proc.stdout is not None
-            try:
-                for line in proc.stdout:
-                    out.write(line)
-                    m = ITERATION_RE.search(line)
-                    if m:
-                        print(f"  {run.label}: iteration {m.group(1)}/{m.group(2)} "
-                              f"({time.monotonic() - start:.0f} s)", file=progress, flush=True)
-            except KeyboardInterrupt:  # let the command, which got the signal too, end first
-                proc.wait()
-                raise
-            run.rc = proc.wait()
+
+    def on_line(line: str) -> None:
+        m = ITERATION_RE.search(line)
+        if m:
+            print(f"  {run.label}: iteration {m.group(1)}/{m.group(2)} ({time.monotonic() - start:.0f} s)",
+                  file=progress, flush=True)
+
+    run.rc = run_command(run.command, env, run.log_path, on_line)
     run.seconds = round(time.monotonic() - start, 1)
-    text = Path(run.log_path).read_text(encoding="utf-8", errors="replace")
+    text = read_text(run.log_path)
     run.log, run.tail = parse_log(text), text.splitlines()[-TAIL_LINES:]
+    run.probe = grad_probe.read(run.probe_dir)
     return run
 
 
 def _rel(a: float | None, b: float | None) -> float | None:
-    if a is None or b is None:
+    if a is None or b is None or not (math.isfinite(a) and math.isfinite(b)):
         return None
-    return abs(a - b) / abs(b) if b else (0.0 if a == b else float("inf"))
+    return abs(a - b) / abs(b) if b else (0.0 if a == b else math.inf)
 
 
-def judge(on: Log, off: Log, loss_rtol: float, grad_norm_rtol: float, judge_until: int) -> dict[str, Any]:
-    """Rows per iteration either run logged, the first difference among those judged, or None."""
+def _not_comparable(x: Iteration | None, y: Iteration | None, labels: tuple[str, str]) -> str | None:
+    """Why iteration x (fusion on) cannot be compared with y (fusion off), or None."""
+    if x is None or y is None:
+        return f"logged by the {labels[0] if x else labels[1]} run only"
+    for it, label in ((x, labels[0]), (y, labels[1])):
+        for name, value in (("lm loss", it.loss), ("grad norm", it.grad_norm)):
+            if value is not None and not math.isfinite(value):
+                return f"{name} {value} in the {label} run"
+        if it.skipped or it.grad_norm is None:
+            return (f"a step skipped in the {label} run (fp16 loss scaler: "
+                    f"{'no grad norm printed' if it.grad_norm is None else f'{it.skipped} skipped'})")
+        if it.loss is None:
+            return f"no lm loss in the {label} run"
+    return None
+
+
+def _beyond(x: Iteration, y: Iteration, loss_bound: float, grad_norm_bound: float) -> str | None:
+    loss_rel = _rel(x.loss, y.loss)
+    if loss_rel is not None and loss_rel > loss_bound:
+        return f"lm loss {x.loss:.6E} vs {y.loss:.6E}, relative difference {loss_rel:.2e} > {loss_bound:.2g}"
+    if abs(x.grad_norm - y.grad_norm) > grad_norm_bound * abs(y.grad_norm) + GRAD_NORM_PRINTED:
+        return (f"grad norm {x.grad_norm:.3f} vs {y.grad_norm:.3f}, relative difference "
+                f"{_rel(x.grad_norm, y.grad_norm):.2e} > {grad_norm_bound:.2g}")
+    return None
+
+
+def judge(on: Log, off: Log, loss_rtol: float, grad_norm_rtol: float, judge_until: int,
+          noise: Sequence[Log] = (), noise_measured: bool = False) -> dict[str, Any]:
+    """Rows per iteration either run logged; the first difference and the first iteration that could
+    not be compared among those judged (or None); ``needs_noise``: later iterations that part beyond
+    the strict bound while no run-to-run drift was measured."""
     a, b = ({it.iteration: it for it in log.iterations} for log in (on, off))
-    rows, first = [], None
+    labels = ("fusion-on", "fusion-off")
+    envelope = _drift_envelope(b, [{it.iteration: it for it in log.iterations} for log in noise], labels[1])
+    rows, first, uncompared, needs_noise = [], None, None, []
     for n in sorted(set(a) | set(b)):
         x, y = a.get(n), b.get(n)
         row: dict[str, Any] = {"iteration": n, "judged": n <= judge_until}
         for name in ("loss", "grad_norm", "step_ms"):
             row[name] = [getattr(x, name) if x else None, getattr(y, name) if y else None]
         row["loss_rel"], row["grad_norm_rel"] = _rel(*row["loss"]), _rel(*row["grad_norm"])
-        reason = None
-        if x is None or y is None:
-            reason = f"logged by the fusion-{'on' if x else 'off'} run only"
-        elif (x.loss is None) != (y.loss is None):
-            reason = "lm loss logged by one run only"
-        elif row["loss_rel"] is not None and row["loss_rel"] > loss_rtol:
-            reason = f"lm loss {x.loss:.6E} vs {y.loss:.6E}, relative difference {row['loss_rel']:.2e} > {loss_rtol:g}"
-        elif (x.grad_norm is not None and y.grad_norm is not None
-              and abs(x.grad_norm - y.grad_norm) > grad_norm_rtol * abs(y.grad_norm) + GRAD_NORM_PRINTED):
-            reason = (f"grad norm {x.grad_norm:.3f} vs {y.grad_norm:.3f}, relative difference "
-                      f"{row['grad_norm_rel']:.2e} > {grad_norm_rtol:g}")
-        row["differs"] = reason
-        if reason and row["judged"] and first is None:
-            first = {"iteration": n, "why": reason}
+        row["noise"] = None
+        reason, cannot = None, _not_comparable(x, y, labels)
+        if cannot is None:
+            reason = _beyond(x, y, loss_rtol, grad_norm_rtol)
+            if reason and n != min(a):  # past where both start equal: against the measured drift
+                drift = envelope.get(n) if noise_measured else None
+                if isinstance(drift, str):
+                    reason, cannot = None, drift
+                elif drift is not None:
+                    row["noise"] = drift
+                    reason = _beyond(x, y, max(loss_rtol, NOISE_FACTOR * drift["loss_rel"]),
+                                     max(grad_norm_rtol, NOISE_FACTOR * drift["grad_norm_rel"]))
+                    if reason:
+                        reason += " (3 x the run-to-run drift of fusion off up to this iteration)"
+                else:
+                    needs_noise.append(n)
+                    reason, cannot = None, (f"parts beyond the strict bound ({reason}); the run-to-run "
+                                            "drift was not measured")
+        row["differs"], row["not_compared"] = reason, cannot
+        if row["judged"]:
+            if reason and first is None:
+                first = {"iteration": n, "why": reason}
+            if cannot and uncompared is None:
+                uncompared = {"iteration": n, "why": cannot}
         rows.append(row)
-    return {"rows": rows, "first_difference": first,
+    return {"rows": rows, "first_difference": first, "first_not_compared": uncompared,
+            "needs_noise": [n for n in needs_noise if n <= judge_until],
             "judged_iterations": [r["iteration"] for r in rows if r["judged"]]}
+
+
+def _drift_envelope(off: Mapping[int, Iteration], repeats: Sequence[Mapping[int, Iteration]],
+                    label: str) -> dict[int, dict[str, float] | str]:
+    """Per iteration of the fusion-off run: the largest relative difference from its repeats at
+    that or any earlier iteration (two runs that parted stay apart: one sample per iteration would
+    understate it), or why it cannot be measured."""
+    out: dict[int, dict[str, float] | str] = {}
+    loss, grad_norm = 0.0, 0.0
+    for n in sorted(off):
+        y = off[n]
+        for repeat in repeats:
+            z = repeat.get(n)
+            cannot = _not_comparable(y, z, (label, f"repeated {label}"))
+            if cannot:
+                out[n] = f"the run-to-run drift cannot be measured: {cannot}"
+                break
+            loss = max(loss, _rel(z.loss, y.loss) or 0.0)
+            if y.grad_norm:
+                grad_norm = max(grad_norm, (abs(z.grad_norm - y.grad_norm) - GRAD_NORM_PRINTED) / abs(y.grad_norm))
+        else:
+            out[n] = {"loss_rel": loss, "grad_norm_rel": grad_norm}
+    return out
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -242,19 +223,22 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 def render(runs: Sequence[Run], result: dict[str, Any], out: TextIO) -> None:
-    on, off = runs
+    on, off = runs[:2]
     for run in runs:
         print(f"{run.label}: {run.shown()}\n  exit code {run.rc}, {run.seconds:.1f} s, log {run.log_path}", file=out)
-    for line in on.log.gemm_patch_lines[:6]:
-        print(f"  {line}", file=out)
-    if not on.log.gemm_patch_lines and not on.problem():
-        print("  (no [gemm_patch] line in the fusion-on log: is the log level above INFO?)", file=out)
+        for line in run.log.gemm_patch_lines[:6]:
+            print(f"  {line}", file=out)
+        if run.key == "on" and not run.log.gemm_patch_lines and not run.problem():
+            print("  (no [gemm_patch] line in this log: is the log level above INFO?)", file=out)
     comparison = result.get("comparison")
     if comparison:
         print(f"\n{'iteration':>9} | {'lm loss on':>12} | {'lm loss off':>12} | {'rel':>8} | {'grad norm on':>12} | "
               f"{'grad norm off':>13} | {'rel':>8} | {'ms on':>8} | {'ms off':>8} |", file=out)
         for r in comparison["rows"]:
-            note = f"differs: {r['differs']}" if r["differs"] else ("" if r["judged"] else "not judged")
+            note = (f"differs: {r['differs']}" if r["differs"] else f"not compared: {r['not_compared']}"
+                    if r["not_compared"] else "not judged" if not r["judged"] else
+                    f"within 3 x the fusion-off runs' drift (grad norm {r['noise']['grad_norm_rel']:.1e}, "
+                    f"lm loss {r['noise']['loss_rel']:.1e})" if r["noise"] else "")
             print(f"{r['iteration']:>9} | {_fmt(r['loss'][0], '12.6E')} | {_fmt(r['loss'][1], '12.6E')} | "
                   f"{_fmt(r['loss_rel'], '8.1e')} | {_fmt(r['grad_norm'][0], '12.3f')} | "
                   f"{_fmt(r['grad_norm'][1], '13.3f')} | {_fmt(r['grad_norm_rel'], '8.1e')} | "
@@ -263,77 +247,188 @@ def render(runs: Sequence[Run], result: dict[str, Any], out: TextIO) -> None:
         ratio = f", on / off {ms_on / ms_off:.3f}" if ms_on and ms_off else ""
         print(f"\nstep time (median of the logged intervals after the first): on {_fmt(ms_on, '.1f')} ms, "
               f"off {_fmt(ms_off, '.1f')} ms{ratio}", file=out)
-        mem = [run.log.last_memory() for run in runs]
-        if any(mem):
-            print("memory (megatron's report, MB) | after | allocated | max allocated | reserved | max reserved",
-                  file=out)
-            for run, m in zip(runs, mem, strict=True):
-                if m:
-                    print(f"  {run.label:<28} | {m.after:>5} | {m.allocated_mb:9.1f} | {m.max_allocated_mb:13.1f} | "
-                          f"{m.reserved_mb:8.1f} | {m.max_reserved_mb:12.1f}", file=out)
-            if all(mem):
-                d = [x - y for x, y in zip(*(astuple_mb(m) for m in mem), strict=True)]
-                print(f"  {'on - off':<28} | {'':>5} | {d[0]:+9.1f} | {d[1]:+13.1f} | {d[2]:+8.1f} | {d[3]:+12.1f}",
-                      file=out)
+        _render_memory(runs[:2], out)
+    params = result.get("parameters")
+    if params:
+        if params["judged"]:
+            print(f"\nper parameter at iteration 1 ({params['count']} judged, bound max(2^-7, 3 x noise)); worst: "
+                  f"{compare_params.describe(params['worst'], _ranks(on))}", file=out)
+        else:
+            print(f"\nper parameter: global values only: {params['why']}", file=out)
     print(f"\nverdict: {result['summary']}", file=out)
+
+
+def _ranks(run: Run) -> int:
+    return len(run.probe)
+
+
+def _render_memory(runs: Sequence[Run], out: TextIO) -> None:
+    mem = [run.log.last_memory() for run in runs]
+    if not any(mem):
+        return
+    print("memory (megatron's report, MB) | after | allocated | max allocated | reserved | max reserved", file=out)
+    for run, m in zip(runs, mem, strict=True):
+        if m:
+            print(f"  {run.label:<28} | {m.after:>5} | {m.allocated_mb:9.1f} | {m.max_allocated_mb:13.1f} | "
+                  f"{m.reserved_mb:8.1f} | {m.max_reserved_mb:12.1f}", file=out)
+    if all(mem):
+        d = [x - y for x, y in zip(*(astuple_mb(m) for m in mem), strict=True)]
+        print(f"  {'on - off':<28} | {'':>5} | {d[0]:+9.1f} | {d[1]:+13.1f} | {d[2]:+8.1f} | {d[3]:+12.1f}", file=out)
 
 
 def astuple_mb(m: MemoryReport) -> tuple[float, float, float, float]:
     return m.allocated_mb, m.max_allocated_mb, m.reserved_mb, m.max_reserved_mb
 
 
-def decide(runs: Sequence[Run], args: argparse.Namespace) -> dict[str, Any]:
+def unproven(on: Run, off: Run, off_args: Sequence[str]) -> str | None:
+    """What is missing to show that the fusion-on run ran fused under gemm-patch and the fusion-off
+    run unfused, or None."""
+    if not on.log.fusion or not off.log.fusion:
+        which = " and ".join(r.label for r in (on, off) if not r.log.fusion)
+        return (f"cannot find {FUSION_LINE} in the {which} run's log: nothing shows that fusion was on in one run "
+                "and off in the other (megatron-core prints its arguments at start-up, on rank 0)")
+    if not all(on.log.fusion):
+        return f"the {on.label} run ran with gradient_accumulation_fusion False ({FUSION_LINE})"
+    if any(off.log.fusion):
+        return (f"the {off.label} run ran with gradient_accumulation_fusion True ({FUSION_LINE}): the command did "
+                f"not pass on {shlex.join(off_args)} (a wrapper script?); --off-arg sets what turns fusion off")
+    errors = [line for line in on.log.gemm_patch_lines if line.startswith("[gemm_patch] ERROR")]
+    if any(mark in line for line in errors for mark in UNPATCHED_MARKS):
+        return f"gemm-patch was not applied in the {on.label} run: {errors[0]}"
+    states = [rec.get("gemm_patch", {}) for rec in on.probe.values()]
+    if any(s and not s.get("enabled", True) for s in states):
+        return f"gemm-patch was turned off (GEMM_PATCH=0) in the {on.label} run (its gradient probe's record)"
+    info = [line for line in on.log.gemm_patch_lines if line.startswith("[gemm_patch] INFO")]
+    if not info and not any(s.get("applied") for s in states):
+        return (f"no sign that gemm-patch was applied in the {on.label} run: no '[gemm_patch] INFO' line in its "
+                "log (GEMM_PATCH_LOG_LEVEL above INFO?) and no gradient-probe record saying so")
+    return None
+
+
+def decide(runs: Sequence[Run], args: argparse.Namespace, off_args: Sequence[str]) -> dict[str, Any]:
     """The verdict and exit code. A failed run is a difference when the other run succeeded (the
     two behave differently), unreadable when both failed (nothing to compare against)."""
-    problems = [p for p in (run.problem() for run in runs) if p]
+    on, off, noise = runs[0], runs[1], list(runs[2:])
+    problems = [p for p in (run.problem() for run in (on, off)) if p]
     comparison = None
-    if all(run.log.iterations for run in runs):  # also after a failure late in a run: show what both logged
-        comparison = judge(runs[0].log, runs[1].log, args.loss_rtol, args.grad_norm_rtol, args.judge_until)
-    failed = [run for run in runs if run.rc != 0]
+    if on.log.iterations and off.log.iterations:  # also after a late failure: show what both logged
+        comparison = judge(on.log, off.log, args.loss_rtol, args.grad_norm_rtol, args.judge_until,
+                           [r.log for r in noise], bool(noise))
+    failed = [run for run in (on, off) if run.rc != 0]
     if failed:
-        both = len(failed) == 2 or any(run.problem() for run in runs if run.rc == 0)
+        both = len(failed) == 2 or any(run.problem() for run in (on, off) if run.rc == 0)
         return {"verdict": "failed", "exit_code": EXIT_UNREADABLE if both else EXIT_DIFFERS,
                 "comparison": comparison, "summary": "; ".join(problems)}
     if problems or comparison is None:
         return {"verdict": "unreadable", "exit_code": EXIT_UNREADABLE, "summary": "; ".join(problems)}
-    rule = (f"lm loss within {args.loss_rtol:g} and grad norm within {args.grad_norm_rtol:g} (relative; "
-            f"+{GRAD_NORM_PRINTED:g} for the printed grad norm) at the iterations both logged up to "
-            f"{args.judge_until}")
-    judged = comparison["judged_iterations"]
-    if not judged:
-        return {"verdict": "unreadable", "exit_code": EXIT_UNREADABLE, "comparison": comparison,
-                "summary": f"no logged iteration up to {args.judge_until} (--judge-until) to judge"}
+    missing = unproven(on, off, off_args)
+    if missing:
+        return {"verdict": "not proven", "exit_code": EXIT_UNREADABLE, "comparison": comparison,
+                "summary": f"not proven: {missing}"}
+    params = compare_params.judge_parameters(on.probe, off.probe, [r.probe for r in noise]) \
+        if not args.no_probe else {"judged": False, "why": "--no-probe"}
+    per_parameter = "each parameter's gradient within max(2^-7, 3 x noise), " if params["judged"] else ""
+    rule = (f"at iteration 1 {per_parameter}lm loss within "
+            f"{args.loss_rtol:g} and grad norm within {args.grad_norm_rtol:g} (relative; +{GRAD_NORM_PRINTED:g} for "
+            f"the printed grad norm); later iterations up to {args.judge_until} within the same or within "
+            f"{NOISE_FACTOR:g} x the run-to-run drift of fusion off")
+    base = {"comparison": comparison, "rule": rule, "parameters": params}
+    scope = "" if params["judged"] else f" (global values only: {params['why']})"
+    if params["judged"] and params["differs"]:
+        return {**base, "verdict": "differs", "exit_code": EXIT_DIFFERS,
+                "summary": f"differs at iteration 1: {compare_params.describe(params['worst'], _ranks(on))}"}
     first = comparison["first_difference"]
     if first:
-        return {"verdict": "differs", "exit_code": EXIT_DIFFERS, "comparison": comparison, "rule": rule,
-                "summary": f"differs at iteration {first['iteration']}: {first['why']}"}
+        return {**base, "verdict": "differs", "exit_code": EXIT_DIFFERS,
+                "summary": f"differs at iteration {first['iteration']}: {first['why']}{scope}"}
+    judged, uncompared = comparison["judged_iterations"], comparison["first_not_compared"]
+    if not judged or uncompared:
+        why = (f" at iteration {uncompared['iteration']}: {uncompared['why']}{scope}" if judged else
+               f": no logged iteration up to {args.judge_until} (--judge-until)")
+        return {**base, "verdict": "not compared", "exit_code": EXIT_NOT_COMPARED, "summary": f"not compared{why}"}
     later = len(comparison["rows"]) - len(judged)
-    return {"verdict": "same", "exit_code": EXIT_SAME, "comparison": comparison, "rule": rule,
-            "summary": f"same: {rule} (iterations {', '.join(map(str, judged))})"
+    return {**base, "verdict": "same", "exit_code": EXIT_SAME,
+            "summary": f"same{scope}: {rule} (iterations {', '.join(map(str, judged))}"
+                       + (f"; noise measured by {len(noise)} more fusion-off run{'s' if len(noise) > 1 else ''}"
+                          if noise else "") + ")"
                        + (f"; {later} later iteration{'s' if later != 1 else ''} shown, not judged" if later else "")}
+
+
+def _finite(value: Any, path: str, flags: dict[str, str]) -> Any:
+    """``value`` with every NaN or infinity replaced by None, each one's path and value in ``flags``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        flags[path] = str(value)
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v, f"{path}.{k}" if path else str(k), flags) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v, f"{path}[{i}]", flags) for i, v in enumerate(value)]
+    return value
 
 
 def as_record(command: list[str], runs: Sequence[Run], result: dict[str, Any],
               args: argparse.Namespace) -> dict[str, Any]:
-    """What --json prints (schema 1)."""
+    """What --json prints (schema 2): valid JSON, a non-finite number written as null and named
+    with its value in ``not_finite``."""
     comparison = result.get("comparison") or {}
-    return {
-        "schema": 1, "command": command, "verdict": result["verdict"], "exit_code": result["exit_code"],
+    record = {
+        "schema": 2, "command": command, "verdict": result["verdict"], "exit_code": result["exit_code"],
         "summary": result["summary"], "first_difference": comparison.get("first_difference"),
+        "first_not_compared": comparison.get("first_not_compared"), "parameters": result.get("parameters"),
         "tolerance": {"loss_rtol": args.loss_rtol, "grad_norm_rtol": args.grad_norm_rtol,
-                      "grad_norm_printed": GRAD_NORM_PRINTED, "judge_until": args.judge_until},
+                      "grad_norm_printed": GRAD_NORM_PRINTED, "judge_until": args.judge_until,
+                      "parameter_bound": compare_params.BF16_BOUND, "noise_factor": NOISE_FACTOR},
         "rows": comparison.get("rows", []),
         "runs": {run.key: {"label": run.label, "command": run.command, "env": run.env_changes, "rc": run.rc,
                            "seconds": run.seconds, "log": run.log_path, "step_ms": run.log.step_ms(),
+                           "fusion": run.log.fusion, "exception": run.log.exception,
                            "iterations": [asdict(i) for i in run.log.iterations],
                            "memory": [asdict(m) for m in run.log.memory],
                            "gemm_patch_lines": run.log.gemm_patch_lines,
+                           "probe": {"folder": run.probe_dir, "ranks": sorted(run.probe)},
                            "tail": run.tail if run.problem() else []} for run in runs},
     }
+    flags: dict[str, str] = {}
+    record = _finite(record, "", flags)
+    record["not_finite"] = flags
+    return record
+
+
+def _positive(kind: type) -> Any:
+    """An argparse type: a positive finite number of ``kind`` (int or float)."""
+    what = "whole number" if kind is int else "number"
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a positive {what}, got {text!r}") from None
+        if not (math.isfinite(value) and value > 0):
+            raise argparse.ArgumentTypeError(f"expected a positive {what}, got {text!r}")
+        return value
+    return parse
+
+
+def _noise_runs(text: str) -> int | None:
+    if text == "auto":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a number of runs (0, 1, ...), got {text!r}")
+    return value
 
 
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--iters", type=int, metavar="N", help="cut both runs to N iterations (appends --iters-arg)")
+    def usage_error(message: str) -> NoReturn:  # one line, exit 2, like compare's own usage errors
+        print(f"gemm-patch compare: {message}", file=sys.stderr)
+        sys.exit(EXIT_UNREADABLE)
+
+    parser.error = usage_error  # type: ignore[method-assign]
+    parser.add_argument("--iters", type=_positive(int), metavar="N",
+                        help="cut both runs to N iterations (appends --iters-arg)")
     parser.add_argument("--iters-arg", default=DEFAULT_ITERS_ARG, metavar="TEMPLATE",
                         help=f"what --iters appends, {{n}} for N (default: '{DEFAULT_ITERS_ARG}'; "
                              "Megatron-Bridge: 'train.train_iters={n}')")
@@ -343,35 +438,59 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "model.gradient_accumulation_fusion=false)")
     parser.add_argument("--off-patched", action="store_true",
                         help="run the fusion-off run under gemm-patch too (default: GEMM_PATCH=0, megatron as shipped)")
-    parser.add_argument("--loss-rtol", type=float, default=LOSS_RTOL, help=f"default {LOSS_RTOL:g}")
-    parser.add_argument("--grad-norm-rtol", type=float, default=GRAD_NORM_RTOL, help=f"default {GRAD_NORM_RTOL:g}")
-    parser.add_argument("--judge-until", type=int, default=JUDGE_UNTIL, metavar="N",
+    parser.add_argument("--loss-rtol", type=_positive(float), default=LOSS_RTOL, metavar="R",
+                        help="largest relative difference |on - off| / |off| of megatron's logged lm loss (the mean "
+                             f"over the log interval) that counts as the same (default {LOSS_RTOL:g})")
+    parser.add_argument("--grad-norm-rtol", type=_positive(float), default=GRAD_NORM_RTOL, metavar="R",
+                        help="largest relative difference of megatron's logged global grad norm that counts as the "
+                             f"same, plus 0.001 for its 3 printed decimals (default {GRAD_NORM_RTOL:g})")
+    parser.add_argument("--judge-until", type=_positive(int), default=JUDGE_UNTIL, metavar="N",
                         help=f"judge the iterations up to N (default {JUDGE_UNTIL}); later ones are shown only")
-    parser.add_argument("--logs", metavar="DIR", help="where the two runs' logs go (default: a new temporary folder)")
+    parser.add_argument("--noise-runs", type=_noise_runs, default=None, metavar="auto|K",
+                        help="run fusion off K more times to measure the run-to-run drift that later iterations "
+                             "are judged against (default auto: once, only when an iteration after the first "
+                             "parts beyond the strict bound; 0: never, such an iteration is then not compared)")
+    parser.add_argument("--no-probe", action="store_true",
+                        help="don't record each parameter's gradient (GEMM_PATCH_GRAD_PROBE): global values only")
+    parser.add_argument("--logs", metavar="DIR", help="where the runs' logs go (default: a new temporary folder)")
     parser.add_argument("--json", nargs="?", const="-", metavar="FILE",
-                        help="a JSON record (schema 1): printed instead of the table, or with FILE written there "
+                        help="a JSON record (schema 2): printed instead of the table, or with FILE written there "
                              "beside the table")
     parser.add_argument("cmd", nargs=argparse.REMAINDER, help="the training command and its arguments")
     return parser
+
+
+def _usage(command: list[str], args: argparse.Namespace, off_args: list[str]) -> str | None:
+    if not command:
+        return "no command given: gemm-patch compare [OPTIONS] -- COMMAND [ARGS ...]"
+    if "{n}" not in args.iters_arg:
+        return f"--iters-arg must contain {{n}} (where N goes), got {args.iters_arg!r}"
+    try:
+        shlex.split(args.iters_arg)
+    except ValueError as exc:
+        return f"--iters-arg is not a valid argument list ({exc}): {args.iters_arg!r}"
+    carried = [arg for arg in off_args if arg in command]
+    if carried:
+        return (f"the command already carries {carried[0]}: its fusion-on run would not be fused; "
+                "give compare the command as it runs with fusion on")
+    if any(GEMM_PATCH_OFF_RE.search(word) for word in command) \
+            or os.environ.get("GEMM_PATCH", "").strip().lower() in ("0", "false", "no", "off"):
+        return ("GEMM_PATCH=0 (in the command or the environment) turns gemm-patch off in the fusion-on run: "
+                "remove it; compare sets it in the fusion-off run itself")
+    return None
 
 
 def main(args: argparse.Namespace) -> int:
     command = list(args.cmd)
     if command[:1] == ["--"]:
         command = command[1:]
-    usage = None
-    if not command:
-        usage = "no command given: gemm-patch compare [OPTIONS] -- COMMAND [ARGS ...]"
-    elif args.iters is not None and args.iters < 1:
-        usage = f"--iters must be a positive number of iterations, not {args.iters}"
-    elif args.iters is not None and "{n}" not in args.iters_arg:
-        usage = f"--iters-arg must contain {{n}} (where N goes), got {args.iters_arg!r}"
+    off_args = list(args.off_arg) if args.off_arg else list(DEFAULT_OFF_ARGS)
+    usage = _usage(command, args, off_args)
     if usage:
         print(f"gemm-patch compare: {usage}", file=sys.stderr)
         return EXIT_UNREADABLE
     iters_args = [part.replace("{n}", str(args.iters)) for part in shlex.split(args.iters_arg)] \
         if args.iters is not None else []
-    off_args = list(args.off_arg) if args.off_arg else list(DEFAULT_OFF_ARGS)
     logs = Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix="gemm-patch-compare-"))
     logs.mkdir(parents=True, exist_ok=True)
     base = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -379,25 +498,47 @@ def main(args: argparse.Namespace) -> int:
     on_changes = {k: patched[k] for k in ("PYTHONPATH", "GEMM_PATCH_AUTO")}
     if args.off_patched:
         off_env, off_changes, off_shown = patched, on_changes, "gemm-patch run -- "
-    else:
+    elif args.no_probe:
         off_env, off_changes, off_shown = {**base, "GEMM_PATCH": "0"}, {"GEMM_PATCH": "0"}, "GEMM_PATCH=0 "
-    runs = [Run("on", "fusion on (gemm-patch)", command + iters_args, on_changes, "gemm-patch run -- ",
-                str(logs / "fusion_on.log")),
-            Run("off", "fusion off", command + iters_args + off_args, off_changes, off_shown,
-                str(logs / "fusion_off.log"))]
-    for run, env in zip(runs, (patched, off_env), strict=True):
-        print(f"gemm-patch compare: {run.label}: {run.shown()}", file=sys.stderr, flush=True)
-        try:
-            execute(run, env, sys.stderr)
-        except KeyboardInterrupt:  # the command, in the same process group, got the signal too
-            print(f"gemm-patch compare: interrupted during the {run.label} run (log {run.log_path})", file=sys.stderr)
-            return 130
-    result = decide(runs, args)
-    if args.json and args.json != "-":
-        Path(args.json).write_text(json.dumps(as_record(command, runs, result, args), indent=1) + "\n")
-    if args.json == "-":
-        print(json.dumps(as_record(command, runs, result, args), indent=1))
-    else:
+    else:  # the launcher's hook, for the probe alone: GEMM_PATCH=0 still patches nothing
+        off_env = {**patched, "GEMM_PATCH": "0"}
+        off_changes, off_shown = {**on_changes, "GEMM_PATCH": "0"}, "GEMM_PATCH=0 gemm-patch run -- "
+
+    def make(key: str, label: str, extra: list[str], changes: dict[str, str], shown: str) -> Run:
+        return Run(key, label, command + iters_args + extra, dict(changes), shown, str(logs / f"fusion_{key}.log"))
+
+    runs = [make("on", "fusion on (gemm-patch)", [], on_changes, "gemm-patch run -- "),
+            make("off", "fusion off", off_args, off_changes, off_shown)]
+    envs = [patched, off_env]
+    for run in runs:
+        _clear(run.probe_dir)
+    started: list[Run] = []
+    try:
+        with signals_end_runs():
+            for run, env in zip(runs, envs, strict=True):
+                _start(run, env, args.no_probe, started)
+            wanted = args.noise_runs
+            if wanted is None:
+                first = decide(runs, args, off_args)
+                needed = (first.get("comparison") or {}).get("needs_noise")
+                wanted = 1 if needed and first["verdict"] == "not compared" else 0
+            for i in range(1, wanted + 1):
+                noise = make(f"off_repeat{i}", f"fusion off, repeated ({i})", off_args, off_changes, off_shown)
+                _clear(noise.probe_dir)
+                runs.append(noise)
+                _start(noise, off_env, args.no_probe, started)
+    except Interrupted as exc:
+        print(f"gemm-patch compare: {exc} during the {started[-1].label} run: ended its processes "
+              f"(logs in {logs})", file=sys.stderr)
+        return 128 + exc.signum
+    result = decide(runs, args, off_args)
+    if args.json:
+        text = json.dumps(as_record(command, runs, result, args), indent=1, allow_nan=False)
+        if args.json == "-":
+            print(text)
+        else:
+            Path(args.json).write_text(text + "\n")
+    if args.json != "-":
         render(runs, result, sys.stdout)
     for run in runs:
         if run.problem():
@@ -408,3 +549,17 @@ def main(args: argparse.Namespace) -> int:
             for line in run.tail:
                 print(f"  | {line}", file=sys.stderr)
     return result["exit_code"]
+
+
+def _clear(folder: str) -> None:
+    for path in Path(folder).glob("rank*.json"):
+        path.unlink()
+
+
+def _start(run: Run, env: Mapping[str, str], no_probe: bool, started: list[Run]) -> None:
+    started.append(run)
+    if not no_probe:
+        env = {**env, grad_probe.ENV: run.probe_dir}
+        run.env_changes[grad_probe.ENV] = run.probe_dir
+    print(f"gemm-patch compare: {run.label}: {run.shown()}", file=sys.stderr, flush=True)
+    execute(run, env, sys.stderr)

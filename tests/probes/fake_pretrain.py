@@ -12,7 +12,22 @@ gemm-patch stops as megatron does without apex. With fusion on, the loss and gra
 fusion off's by 1e-6 relative (the accumulation difference); ``FAKE_PRETRAIN`` adds a fault:
 ``grad_norm`` (the fused grad norm 0.63x, what a lost gradient does), ``silent`` (no megatron
 lines), ``crash_fused`` (the fused run exits 3 after iteration 1), ``memory`` (the fused run
-holds 1002 MB more). ``FAKE_PRETRAIN_ARGV=FILE`` appends this process's argv and state to FILE.
+holds 1002 MB more), ``nan`` (the fused run's grad norm is nan), ``skipped`` (every fused step
+skipped by the fp16 loss scaler: no grad norm), ``gap`` (the fused run does not log iteration 5),
+``wrapper`` (a wrapper that drops an unknown --no-gradient-accumulation-fusion: fusion stays on,
+and runs without gemm-patch, as with apex installed),
+``no_args`` (no argument dump), ``torchrun`` (a worker's traceback, then torchrun's
+ChildFailedError block, exit 1), ``sidecar`` (leaves a child holding the output for a minute),
+``hang`` (a child and this process sleep until ended: FAKE_PRETRAIN_PIDS=FILE gets their pids),
+``drift`` (after iteration 1 each run parts from the one before, fusion off from itself too, by
+a few percent, as with a non-deterministic MoE router; needs FAKE_PRETRAIN_ARGV, which counts the runs),
+``lost_later`` (the fused grad norm 0.63x from iteration 5 on), ``apex`` (fusion runs without
+gemm-patch, as with apex installed; imports ``megatron.core`` where one is importable, which starts
+gemm-patch's real start-up hook, and prints no line of its own).
+Like megatron it prints its arguments (``gradient_accumulation_fusion ...
+True``) and, where gemm-patch's start-up hook is active, gemm-patch's line (the real one needs a
+megatron import; tests/probes/megatron_pretrain.py runs megatron's real layers instead).
+``FAKE_PRETRAIN_ARGV=FILE`` appends this process's argv and state to FILE.
 With megatron's ``--use-pytorch-profiler``, it writes a profiler trace where megatron does (the
 parent of ``--tensorboard-dir``/torch_profile/rank-0.json.gz): a ``ProfilerStep#N`` range per
 profiled iteration, each with one GEMM kernel of 120 us fusion off, 100 us fused.
@@ -24,7 +39,9 @@ import gzip
 import json
 import math
 import os
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 
@@ -52,14 +69,47 @@ def main(argv: list[str]) -> int:
     fused = "--no-gradient-accumulation-fusion" not in argv and "model.gradient_accumulation_fusion=false" not in argv
     patched = "_gemm_patch_startup" in sys.modules and os.environ.get("GEMM_PATCH") != "0"
     fault = os.environ.get("FAKE_PRETRAIN", "")
+    run_index = 0  # how many runs FAKE_PRETRAIN_ARGV recorded before this one
     if os.environ.get("FAKE_PRETRAIN_ARGV"):
+        if os.path.exists(os.environ["FAKE_PRETRAIN_ARGV"]):
+            with open(os.environ["FAKE_PRETRAIN_ARGV"]) as f:
+                run_index = len(f.readlines())
         with open(os.environ["FAKE_PRETRAIN_ARGV"], "a") as f:
             f.write(json.dumps({"argv": argv, "fused": fused, "patched": patched,
                                 "env": {k: v for k, v in os.environ.items() if k.startswith("GEMM_PATCH")}}) + "\n")
     iters, interval = last_value(argv, "--train-iters", 20), last_value(argv, "--log-interval", 5)
     memory_interval = last_value(argv, "--log-memory-interval", 0)
     print("using world size: 1, data-parallel size: 1", flush=True)
-    if fused and not patched:
+    if fault == "wrapper":
+        fused = True
+    if fault != "no_args":
+        print("------------------------ arguments ------------------------\n"
+              f"  global_batch_size ............................... 32\n"
+              f"  gradient_accumulation_fusion .................... {fused}\n"
+              "-------------------- end of arguments ---------------------", flush=True)
+    if fault == "apex":
+        try:
+            import megatron.core  # noqa: F401
+        except ImportError:
+            pass
+    elif patched:
+        print("[gemm_patch] INFO: megatron-core 0.19.2: fsdp-wgrad verified, apex-wgrad provided (apex missing; "
+              "verified)", file=sys.stderr, flush=True)
+    if fault in ("sidecar", "hang"):
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        if os.environ.get("FAKE_PRETRAIN_PIDS"):
+            with open(os.environ["FAKE_PRETRAIN_PIDS"], "a") as f:
+                f.write(f"{os.getpid()} {child.pid}\n")
+        if fault == "hang":
+            time.sleep(60)
+    if fault == "torchrun":
+        print("[rank0]: Traceback (most recent call last):\n[rank0]:   File \"pretrain_gpt.py\", line 9, in <module>\n"
+              "[rank0]: AssertionError: Multi-Token Prediction (MTP) is not supported with learned_absolute\n"
+              "Traceback (most recent call last):\n  File \"torchrun\", line 8, in <module>\n"
+              "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+              "============================================================\npretrain_gpt.py FAILED", flush=True)
+        return 1
+    if fused and not patched and fault not in ("apex", "wrapper"):
         print("RuntimeError: ColumnParallelLinear was called with gradient_accumulation_fusion set to True but "
               "the custom CUDA extension fused_weight_gradient_mlp_cuda module is not found.", flush=True)
         return 1
@@ -73,13 +123,22 @@ def main(argv: list[str]) -> int:
     for it in range(1, iters + 1):
         if it != 1 and it % interval:
             continue
-        loss = 5.78 * math.exp(-0.05 * it) * (1 + 1e-6 * fused)
-        grad_norm = 25.7 / it * (0.63 if fused and fault == "grad_norm" else 1.0)
+        # each run parts from the one before by 6 % per 5 iterations, in alternating directions
+        drift = 1 + (0.03 * it / 5 * (-1) ** run_index if fault == "drift" and it > 1 else 0.0)
+        loss = 5.78 * math.exp(-0.05 * it) * (1 + 1e-6 * fused) * (1 + (drift - 1) / 10)
+        lost = fused and (fault == "grad_norm" or (fault == "lost_later" and it >= 5))
+        grad_norm = 25.7 / it * (0.63 if lost else 1.0) * drift
+        if fused and fault == "nan":
+            grad_norm = math.nan
+        if fused and fault == "gap" and it == 5:
+            continue
+        norm_field = "" if fused and fault == "skipped" else f"grad norm: {grad_norm:.3f} | "
+        skipped = 1 if fused and fault == "skipped" else 0
         ms = (5918.5 if it == 1 else 300.0 + (it % 3)) - (5.0 if fused else 0.0)
         print(f" [2026-12-01 15:40:28.567484] iteration {it:8d}/{iters:8d} | consumed samples: {32 * it:12d} | "
               f"elapsed time per iteration (ms): {ms:.1f} | learning rate: 2.000000E-04 | global batch size:    32 | "
-              f"lm loss: {loss:.6E} | loss scale: 1.0 | grad norm: {grad_norm:.3f} | num zeros: 0 | "
-              f"number of skipped iterations:   0 | number of nan iterations:   0 |", flush=True)
+              f"lm loss: {loss:.6E} | loss scale: 1.0 | {norm_field}num zeros: 0 | "
+              f"number of skipped iterations: {skipped:3d} | number of nan iterations:   0 |", flush=True)
         if reported < 2 or (memory_interval and it % memory_interval == 0):
             reported += 1
             print(f"[Rank 0] (after {it} iterations) memory (MB) | allocated: {323.11 + extra_mb:.2f} | max allocated: "

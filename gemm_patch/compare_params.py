@@ -1,0 +1,82 @@
+"""Per-parameter judgement of the gradient probe's records (gemm_patch/grad_probe.py) at the first
+step, where both runs start from the same weights and batch.
+
+For a parameter with gradient g (fusion on) and g_ref (fusion off), rel = ||g - g_ref|| / ||g_ref||
+is estimated from what the probe records: each projection p_k(g) = sum_i s_ki g_i with random signs
+s_ki has E[(p_k(g) - p_k(g_ref))^2] = ||g - g_ref||^2, so the mean square of the projections'
+differences estimates ||g - g_ref||^2; |‖g‖ - ‖g_ref‖| is a lower bound of it. rel is the larger
+of the two over ||g_ref||.
+
+Bound: max(2^-7, 3 x noise) (validation/README.md, "Rules the comparisons use"). Fusion off rounds
+each micro-batch's weight gradient to bf16 (relative 2^-8 per element) before its fp32 sum, the
+fused path does not, so a correct fused run differs by about 2^-9 in norm; 2^-7 is four bf16 unit
+roundoffs, above that and above the projection estimate's spread, and orders of magnitude below a
+lost contribution or micro-batch. noise is the parameter's rel between two fusion-off runs where
+compare measured one (--noise-runs).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+BF16_BOUND = 2.0 ** -7
+NOISE_FACTOR = 3.0
+
+
+def rel(on: dict[str, Any], off: dict[str, Any]) -> float:
+    """The estimated ||g - g_ref|| / ||g_ref|| of one parameter's two records."""
+    pairs = list(zip(on["projections"], off["projections"], strict=True))
+    spread = math.sqrt(sum((a - b) ** 2 for a, b in pairs) / len(pairs)) if pairs else 0.0
+    diff = max(abs(on["norm"] - off["norm"]), spread)
+    if off["norm"] > 0:
+        return diff / off["norm"]
+    return 0.0 if diff == 0 else math.inf
+
+
+def _problem(records: dict[int, dict[str, Any]], label: str) -> str | None:
+    if not records:
+        return (f"the gradient probe wrote no record in the {label} run (the command does not call "
+                "megatron-core's finalize_model_grads, or the probe could not start there)")
+    errors = [f"rank {r}: {rec['error']}" for r, rec in sorted(records.items()) if rec.get("error")]
+    if errors:
+        return f"the gradient probe failed in the {label} run ({errors[0]})"
+    if not any(rec.get("parameters") for rec in records.values()):
+        return f"the gradient probe saw no parameter with a gradient in the {label} run"
+    return None
+
+
+def judge_parameters(on: dict[int, dict[str, Any]], off: dict[int, dict[str, Any]],
+                     noise: list[dict[int, dict[str, Any]]]) -> dict[str, Any]:
+    """{"judged": bool, "why": ... where not, "worst": {...}, "differs": [...], "count": N}."""
+    for records, label in ((on, "fusion-on"), (off, "fusion-off")):
+        problem = _problem(records, label)
+        if problem:
+            return {"judged": False, "why": problem}
+    if sorted(on) != sorted(off):
+        return {"judged": False, "why": f"the probe's records come from ranks {sorted(on)} in the fusion-on run "
+                                        f"and {sorted(off)} in the fusion-off run"}
+    rows = []
+    for rank in sorted(on):
+        a, b = on[rank]["parameters"], off[rank]["parameters"]
+        if set(a) != set(b):
+            only = sorted(set(a) ^ set(b))[:3]
+            return {"judged": False, "why": f"rank {rank}: the runs' models have different parameters ({only})"}
+        for name in sorted(a):
+            drift = max((rel(extra[rank]["parameters"][name], b[name]) for extra in noise
+                         if name in extra.get(rank, {}).get("parameters", {})), default=0.0)
+            bound = max(BF16_BOUND, NOISE_FACTOR * drift)
+            rows.append({"rank": rank, "parameter": name, "numel": a[name]["numel"],
+                         "norm": [a[name]["norm"], b[name]["norm"]], "rel": rel(a[name], b[name]),
+                         "noise": drift if noise else None, "bound": bound})
+    unseen = sorted({n for rec in on.values() for n in rec.get("without_gradient", [])})
+    worst = max(rows, key=lambda r: (r["rel"] / r["bound"], r["numel"]))
+    return {"judged": True, "count": len(rows), "worst": worst, "without_gradient": unseen,
+            "differs": [r for r in rows if r["rel"] > r["bound"]]}
+
+
+def describe(row: dict[str, Any], ranks: int) -> str:
+    where = f" (rank {row['rank']})" if ranks > 1 else ""
+    return (f"parameter {row['parameter']}{where}: gradient norm {row['norm'][0]:.6g} vs {row['norm'][1]:.6g}, "
+            f"relative difference {row['rel']:.2e} {'>' if row['rel'] > row['bound'] else '<='} "
+            f"{row['bound']:.2e}")

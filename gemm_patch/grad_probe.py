@@ -1,0 +1,232 @@
+"""A read-only gradient probe: with ``GEMM_PATCH_GRAD_PROBE=FOLDER`` set, record every parameter's
+reduced gradient once, right after megatron-core's first ``finalize_model_grads`` (the end of the
+first step's gradient reduction: the data-parallel reduce, the tied-embedding and layer-norm
+all-reduces, the per-token scaling), into ``FOLDER/rank<R>.json`` on every rank.
+``gemm-patch compare`` sets it in both of its runs (the fusion-off run too, with every patch off:
+the probe is installed even where ``GEMM_PATCH=0``) and judges each parameter.
+
+Why there: ``finalize_model_grads`` is the one function of megatron-core 0.14-0.19 that every
+training loop calls (megatron's ``train_step``, Megatron-Bridge, NeMo through
+``config.finalize_model_grads_func``) with the model chunks in hand, after every reduction and
+before the optimizer reads, clips or unscales anything. Wrapping it when its module is imported
+(before ``megatron.core.distributed`` re-exports it) is enough for every caller.
+
+What is recorded per parameter (named as ``chunk.named_parameters()`` names it): the gradient's
+norm and ``PROJECTIONS`` checksums, each the sum of the gradient's elements times a fixed
+pseudo-random sign of the element's index in the parameter. The gradient read is ``main_grad``
+(megatron's fp32 buffer) or ``grad``. Where megatron's distributed optimizer reduce-scatters a
+bucket, each rank holds a valid shard of the bucket only: each rank adds up the squares and the
+signed sums over the part of the parameter inside its shard, and a sum over the bucket's group
+combines them; a bucket reduced by all-reduce is counted on the group's first rank only. A gradient
+that is a DTensor (Megatron-FSDP's sharded parameters, after ``finish_grad_sync`` has attached the
+reduced shards) is gathered whole, one parameter at a time, with Megatron-FSDP's own helper for
+its uneven shards where it is there. Ranks of other groups (tensor, pipeline) record their own
+parameters; compare pairs records by rank.
+
+Read-only: nothing it does writes to a tensor of the model or changes an argument or a result;
+a failure is recorded (``error``) and the training goes on. Without the variable nothing is
+installed (``install`` is not called).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+ENV = "GEMM_PATCH_GRAD_PROBE"
+MODULE = "megatron.core.distributed.finalize_model_grads"
+PROJECTIONS = 8
+_PRIME = 2147483647
+_MULTIPLIERS = (48271, 69621, 16807, 39373, 950706376, 742938285, 1226874159, 62089911)
+_CHUNK = 1 << 22
+
+_done = False
+
+
+def requested() -> str | None:
+    return os.environ.get(ENV) or None
+
+
+def install() -> None:
+    """Wrap finalize_model_grads when its module is imported (at once if it is already)."""
+    import sys
+
+    import wrapt
+
+    if MODULE in sys.modules:
+        _wrap(sys.modules[MODULE])
+    else:
+        wrapt.register_post_import_hook(_wrap, MODULE)
+
+
+def _wrap(module: Any) -> None:
+    import wrapt
+
+    if isinstance(getattr(module, "finalize_model_grads", None), wrapt.FunctionWrapper):
+        return
+    wrapt.wrap_function_wrapper(module, "finalize_model_grads", _after_first_reduction)
+
+
+def _after_first_reduction(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    global _done
+    result = wrapped(*args, **kwargs)
+    if not _done:
+        _done = True
+        model = args[0] if args else kwargs.get("model")
+        folder = requested()
+        if folder:
+            write(folder, record(model if isinstance(model, (list, tuple)) else [model]))
+    return result
+
+
+def _signs(start: int, stop: int, k: int, device: Any) -> Any:
+    """The pseudo-random signs (+1/-1, float64) of elements start..stop-1 for projection k."""
+    import torch
+
+    index = torch.arange(start, stop, dtype=torch.int64, device=device) % _PRIME
+    hashed = (index * _MULTIPLIERS[k] + 7919 * k + 1) % _PRIME
+    return ((hashed >> 11) & 1).to(torch.float64) * 2 - 1
+
+
+def contribution(flat: Any, start: int) -> Any:
+    """[sum of squares, PROJECTIONS signed sums] of ``flat``, the elements start.. of a parameter."""
+    import torch
+
+    out = torch.zeros(1 + PROJECTIONS, dtype=torch.float64, device=flat.device)
+    for lo in range(0, flat.numel(), _CHUNK):
+        part = flat[lo:lo + _CHUNK].to(torch.float64)
+        out[0] += (part * part).sum()
+        for k in range(PROJECTIONS):
+            out[1 + k] += (part * _signs(start + lo, start + lo + part.numel(), k, part.device)).sum()
+    return out
+
+
+def _bucket_of(chunk: Any, param: Any) -> tuple[Any, Any] | None:
+    """(bucket, bucket group) holding ``param`` in megatron's DistributedDataParallel, or None."""
+    group = getattr(chunk, "param_to_bucket_group", {}).get(param)
+    for bucket in getattr(group, "buckets", ()):
+        if param in getattr(bucket, "params", ()):
+            return bucket, group
+    return None
+
+
+_UNEVEN_DTENSOR_MODULES = ("megatron_fsdp.uneven_dtensor",
+                           "megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor")
+
+
+def full_tensor(grad: Any) -> Any:
+    """The whole of a DTensor gradient on every rank (a collective: every rank calls it in turn)."""
+    import importlib
+
+    for name in _UNEVEN_DTENSOR_MODULES:
+        try:
+            gather = importlib.import_module(name).uneven_dtensor_to_full_tensor
+        except (ImportError, AttributeError):
+            continue
+        return gather(grad.detach())
+    return grad.detach().full_tensor()
+
+
+def _local_part(chunk: Any, param: Any, grad: Any) -> tuple[Any, int, Any, int]:
+    """(the part of grad this rank counts, its start in the parameter, the group to sum over or
+    None, this rank's index in it)."""
+    import torch.distributed as dist
+
+    if type(grad).__name__ == "DTensor":
+        return full_tensor(grad).reshape(-1), 0, None, 0
+    flat = grad.detach().reshape(-1)
+    found = _bucket_of(chunk, param)
+    if found is None or not dist.is_initialized():
+        return flat, 0, None, 0
+    bucket, group = found
+    if getattr(getattr(group, "ddp_config", None), "use_distributed_optimizer", False):
+        comm = group.intra_distributed_optimizer_instance_group
+        size, rank = dist.get_world_size(comm), dist.get_rank(comm)
+        data = bucket.grad_data
+        shard = data.numel() // size
+        offset = (flat.data_ptr() - data.data_ptr()) // flat.element_size()
+        lo, hi = max(0, rank * shard - offset), min(flat.numel(), (rank + 1) * shard - offset)
+        return flat[lo:max(lo, hi)], lo, comm, rank
+    comm = getattr(bucket, "data_parallel_group", None) or group.data_parallel_group
+    rank = dist.get_rank(comm)
+    return (flat if rank == 0 else flat[:0]), 0, comm, rank
+
+
+def _named_parameters(chunks: Iterable[Any]) -> list[tuple[str, Any, Any]]:
+    chunks = list(chunks)
+    seen, out = set(), []
+    for i, chunk in enumerate(chunks):
+        prefix = f"chunk{i}." if len(chunks) > 1 else ""
+        for name, param in chunk.named_parameters():
+            if id(param) not in seen:
+                seen.add(id(param))
+                out.append((prefix + name, chunk, param))
+    return out
+
+
+def _gemm_patch_state() -> dict[str, Any]:
+    from . import config, status
+
+    st = status()
+    return {"enabled": config.enabled(), "applied": st.applied,
+            "targets": {t.name: t.state for t in st.targets}}
+
+
+def record(chunks: Iterable[Any]) -> dict[str, Any]:
+    """The probe's record of this rank (never raises: a failure is its ``error``)."""
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    out: dict[str, Any] = {"schema": 1, "rank": rank, "hook": f"{MODULE}.finalize_model_grads",
+                           "projections": PROJECTIONS, "parameters": {}, "without_gradient": []}
+    try:
+        out["gemm_patch"] = _gemm_patch_state()
+        rows, by_group = [], {}
+        for name, chunk, param in _named_parameters(chunks):
+            grad = None if type(param).__name__ == "DTensor" else getattr(param, "main_grad", None)
+            grad = param.grad if grad is None else grad
+            if grad is None:
+                out["without_gradient"].append(name)
+                continue
+            part, start, comm, _ = _local_part(chunk, param, grad)
+            rows.append((name, param.numel(), contribution(part, start)))
+            by_group.setdefault(id(comm), (comm, []))[1].append(len(rows) - 1)
+        for comm, indices in by_group.values():
+            if comm is None:
+                continue
+            stacked = torch.stack([rows[i][2] for i in indices])
+            dist.all_reduce(stacked, group=comm)
+            for j, i in enumerate(indices):
+                rows[i] = (rows[i][0], rows[i][1], stacked[j])
+        for name, numel, values in rows:
+            values = values.cpu().tolist()
+            out["parameters"][name] = {"numel": numel, "norm": max(values[0], 0.0) ** 0.5,
+                                       "projections": values[1:]}
+    except Exception as exc:  # read-only and never fatal: the record says what went wrong
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def write(folder: str, rec: dict[str, Any]) -> None:
+    try:
+        path = Path(folder)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / f"rank{rec['rank']}.json").write_text(json.dumps(rec) + "\n")
+    except OSError:
+        pass
+
+
+def read(folder: str) -> dict[int, dict[str, Any]]:
+    """{rank: record} of the records in ``folder`` (empty where there are none)."""
+    out = {}
+    for path in sorted(Path(folder).glob("rank*.json")):
+        try:
+            rec = json.loads(path.read_text())
+            out[int(rec["rank"])] = rec
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return out

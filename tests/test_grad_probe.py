@@ -1,0 +1,137 @@
+"""The read-only gradient probe (gemm_patch/grad_probe.py) and compare's per-parameter judgement,
+on megatron-core's real layers, DistributedDataParallel and finalize_model_grads
+(tests/probes/megatron_pretrain.py; megatron-core 0.14.0, 0.17.1 and 0.19.2 for the hook, the
+matrix's test release for the rest), in one process and on two gloo ranks under torchrun."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from process_env import MEGATRON_RELEASE, ROOT, free_port, gemm_patch_command, matrix
+
+from gemm_patch import compare_params, grad_probe
+from gemm_patch.launcher import launch_env
+
+pytest.importorskip("torch")
+STAND_IN = str(ROOT / "tests" / "probes" / "megatron_pretrain.py")
+
+
+def megatron_env(release: str = MEGATRON_RELEASE, **variables: str) -> dict[str, str]:
+    """That release alone importable, with gemm_patch and the stand-in's folder; no GEMM_PATCH_* of ours."""
+    env = {k: v for k, v in matrix.release_env(release).items() if not k.startswith("GEMM_PATCH")}
+    env.update(PYTHONPATH=f"{env['PYTHONPATH']}:{ROOT}", PYTHONWARNINGS="ignore", **variables)
+    return env
+
+
+def compare(tmp_path: Path, release: str, *command: str, **variables: str) -> tuple[int, dict]:
+    proc = subprocess.run([*gemm_patch_command(), "compare", "--logs", str(tmp_path), "--json", "--", *command],
+                          env=megatron_env(release, **variables), capture_output=True, text=True, timeout=600)
+    assert proc.stdout.startswith("{"), proc.stderr[-3000:]
+    return proc.returncode, json.loads(proc.stdout)
+
+
+@pytest.mark.parametrize("release", ["0.14.0", "0.17.1", "0.19.2"])
+def test_each_parameter_judged_and_one_lost_parameter_differs_where_the_global_norm_agrees(tmp_path, release):
+    code, same = compare(tmp_path / "same", release, sys.executable, STAND_IN)
+    assert code == 0 and same["verdict"] == "same", same["summary"]
+    params = same["parameters"]
+    assert params["judged"] and params["count"] == 3 and params["differs"] == []
+    assert params["worst"]["rel"] < compare_params.BF16_BOUND  # the bf16 rounding of fusion off only
+    assert same["runs"]["off"]["env"]["GEMM_PATCH"] == "0" and same["runs"]["off"]["probe"]["ranks"] == [0]
+
+    code, lost = compare(tmp_path / "lost", release, sys.executable, STAND_IN, MEGATRON_PRETRAIN_FAULT="lose_scale")
+    assert code == 1 and lost["verdict"] == "differs", lost["summary"]
+    assert lost["summary"].startswith("differs at iteration 1: parameter module.scale: ")
+    assert lost["first_difference"] is None  # megatron's loss and grad norm alone: no difference
+    assert lost["rows"][0]["grad_norm"][0] == lost["rows"][0]["grad_norm"][1]
+
+
+def probe_records(tmp_path: Path, *options: str) -> dict[int, dict]:
+    folder = tmp_path / "probe"
+    env = launch_env(megatron_env(**{grad_probe.ENV: str(folder)}))  # as compare starts each run
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-port", str(free_port()), STAND_IN, "--train-iters", "1", *options],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return grad_probe.read(str(folder))
+
+
+def test_two_ranks_the_distributed_optimizers_shards_are_combined(tmp_path):
+    """The same gradients reduced by all-reduce (whole on each rank) and by reduce-scatter (one
+    shard per rank, a parameter cut between the two): the same record on both ranks."""
+    whole = probe_records(tmp_path / "all_reduce")
+    sharded = probe_records(tmp_path / "reduce_scatter", "--use-distributed-optimizer")
+    assert sorted(whole) == sorted(sharded) == [0, 1]
+    for rank in (0, 1):
+        a, b = whole[rank]["parameters"], sharded[rank]["parameters"]
+        assert sorted(a) == sorted(b) == ["module.fc1.weight", "module.fc2.weight", "module.scale"]
+        for name in a:
+            assert b[name]["norm"] == pytest.approx(a[name]["norm"], rel=1e-9, abs=1e-12), name
+            assert b[name]["projections"] == pytest.approx(a[name]["projections"], rel=1e-9, abs=1e-9), name
+            assert compare_params.rel(b[name], a[name]) < 1e-9
+        assert whole[rank]["gemm_patch"]["applied"] and whole[rank]["hook"].endswith("finalize_model_grads")
+
+
+def test_projections_estimate_the_relative_difference():
+    """rel() from the records of two gradients against their true ||g - g_ref|| / ||g_ref||."""
+    torch = pytest.importorskip("torch")
+    gen = torch.Generator().manual_seed(0)
+    g_ref = torch.randn(5000, generator=gen, dtype=torch.float64)
+    for scale in (2.0 ** -9, 0.05, 0.5):
+        g = g_ref + scale * torch.randn(5000, generator=gen, dtype=torch.float64)
+        true = ((g - g_ref).norm() / g_ref.norm()).item()
+
+        def rec(t):
+            values = grad_probe.contribution(t, 0).tolist()
+            return {"norm": math.sqrt(values[0]), "projections": values[1:]}
+        assert true / 3 < compare_params.rel(rec(g), rec(g_ref)) < 3 * true, scale
+
+
+def test_dtensor_gradients_are_gathered_whole(tmp_path):
+    """Megatron-FSDP's parameters after finish_grad_sync: DTensors, each rank one uneven shard of the
+    reduced gradient; every rank records the whole gradient's values."""
+    env = megatron_env()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-port", str(free_port()), str(ROOT / "tests" / "probes" / "dtensor_probe.py")],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert sorted(line["local_rows"] for line in lines) == [3, 4]
+    for line in lines:
+        rec, expected = line["record"], line["expected"]
+        assert "error" not in rec and rec["without_gradient"] == []
+        got = rec["parameters"]["weight"]
+        assert got["norm"] == pytest.approx(math.sqrt(expected[0]), rel=1e-12)
+        assert got["projections"] == pytest.approx(expected[1:], rel=1e-12, abs=1e-12)
+
+
+def test_two_ranks_under_torchrun_a_lost_parameter_is_named_with_its_rank(tmp_path):
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+               str(free_port()), STAND_IN, "--use-distributed-optimizer"]
+    code, lost = compare(tmp_path, MEGATRON_RELEASE, *command, MEGATRON_PRETRAIN_FAULT="lose_scale")
+    assert code == 1 and lost["runs"]["on"]["probe"]["ranks"] == [0, 1], lost["summary"]
+    assert lost["summary"].startswith("differs at iteration 1: parameter module.scale (rank ")
+    assert lost["first_difference"] is None
+
+
+def test_off_nothing_is_wrapped_and_on_the_training_is_unchanged(tmp_path):
+    """Without GEMM_PATCH_GRAD_PROBE, megatron's finalize_model_grads is its own function; with it,
+    every logged value of the run is what it is without (the probe only reads)."""
+    check = ("import gemm_patch, wrapt; from megatron.core.distributed import finalize_model_grads as f; "
+             "print(type(f).__name__)")
+    proc = subprocess.run([sys.executable, "-c", check], env=megatron_env(), capture_output=True, text=True)
+    assert proc.stdout.strip() == "function", proc.stderr[-2000:]
+
+    def iteration_lines(**variables: str) -> list[str]:
+        out = subprocess.run([sys.executable, STAND_IN, "--train-iters", "3"],
+                             env=launch_env(megatron_env(**variables)), capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return [line for line in out.stdout.splitlines() if " iteration " in line]
+    folder = tmp_path / "probe"
+    assert iteration_lines(**{grad_probe.ENV: str(folder)}) == iteration_lines()
+    assert sorted(grad_probe.read(str(folder))) == [0]

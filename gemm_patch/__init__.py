@@ -48,7 +48,7 @@ def _start_grad_probe() -> None:
     import os
 
     if os.environ.get("GEMM_PATCH_GRAD_PROBE"):
-        from . import grad_probe
+        from .engine import grad_probe
 
         grad_probe.install()
 

@@ -1,4 +1,4 @@
-"""The read-only gradient probe (gemm_patch/grad_probe.py) and compare's per-parameter judgement,
+"""The read-only gradient probe (gemm_patch/engine/grad_probe.py) and compare's per-parameter judgement,
 on megatron-core's real layers, DistributedDataParallel and finalize_model_grads
 (tests/probes/megatron_pretrain.py; megatron-core 0.14.0, 0.17.1 and 0.19.2 for the hook, the
 matrix's test release for the rest), in one process and on two gloo ranks under torchrun."""
@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 from process_env import MEGATRON_RELEASE, ROOT, free_port, gemm_patch_command, matrix
 
-from gemm_patch import compare_params, grad_probe
-from gemm_patch.launcher import launch_env
+from gemm_patch.commands import compare_params
+from gemm_patch.commands.launcher import launch_env
+from gemm_patch.engine import grad_probe
 
 pytest.importorskip("torch")
 STAND_IN = str(ROOT / "tests" / "probes" / "megatron_pretrain.py")

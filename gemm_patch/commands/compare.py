@@ -10,7 +10,7 @@ Megatron-Bridge or NeMo override) and ``GEMM_PATCH=0``, which turns every patch 
 script imports gemm_patch or ``GEMM_PATCH_AUTO=1`` is set (``--off-patched`` keeps them on there).
 ``--iters N`` appends ``--train-iters N`` to both (argparse keeps the last occurrence of a flag,
 so it overrides the command's own; ``--iters-arg 'train.train_iters={n}'`` for other styles).
-Both runs carry ``GEMM_PATCH_GRAD_PROBE`` (gemm_patch/grad_probe.py): each rank records every
+Both runs carry ``GEMM_PATCH_GRAD_PROBE`` (gemm_patch/engine/grad_probe.py): each rank records every
 parameter's reduced gradient after the first step, beside the run's log.
 
 Proof first (exit 2 where missing): megatron's argument dump says gradient_accumulation_fusion
@@ -21,7 +21,7 @@ Then the verdict (docs/using-with.md, "How it judges"):
 
 - iteration 1 starts from the same weights and batch, so the two runs' gradients differ only in
   how each weight gradient is accumulated: each parameter's gradient (the probe's records) within
-  max(2^-7, 3 x noise) relative (gemm_patch/compare_params.py), the lm loss within ``--loss-rtol``
+  max(2^-7, 3 x noise) relative (gemm_patch/commands/compare_params.py), the lm loss within ``--loss-rtol``
   and the grad norm within ``--grad-norm-rtol`` (+0.001: it is printed with 3 decimals);
 - later iterations up to ``--judge-until`` within the same bounds, or, where they part beyond
   them, within 3 x the run-to-run drift measured by running fusion off again (``--noise-runs``:
@@ -47,7 +47,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
-from . import compare_params, grad_probe
+from ..engine import grad_probe
+from . import compare_params
 from .compare_log import ITERATION_RE, Iteration, Log, MemoryReport, parse_log
 from .compare_process import Interrupted, read_text, run_command, signals_end_runs
 from .launcher import launch_env

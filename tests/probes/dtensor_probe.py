@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from gemm_patch import grad_probe
+from gemm_patch.engine import grad_probe
 
 
 def main() -> None:

@@ -168,7 +168,8 @@ def _named_parameters(chunks: Iterable[Any]) -> list[tuple[str, Any, Any]]:
 
 
 def _gemm_patch_state() -> dict[str, Any]:
-    from . import config, status
+    from . import config
+    from .patcher import status
 
     st = status()
     return {"enabled": config.enabled(), "applied": st.applied,

@@ -1,4 +1,4 @@
-"""Per-parameter judgement of the gradient probe's records (gemm_patch/grad_probe.py) at the first
+"""Per-parameter judgement of the gradient probe's records (gemm_patch/engine/grad_probe.py) at the first
 step, where both runs start from the same weights and batch.
 
 For a parameter with gradient g (fusion on) and g_ref (fusion off), rel = ||g - g_ref|| / ||g_ref||

@@ -229,18 +229,18 @@ BUCKETS = ("own", "shared")
 
 
 def wrap(module_fsdp, root: torch.nn.Module, distributed: bool, strategy: str | None = None,
-         fine_grained: bool = False, buckets: str = "own", keep: int | None = None):
+         fine_grained: bool = False, buckets: str = "own", keep: int | None = None, cls: type | None = None):
     """A MegatronFSDP over ``root`` without __init__, holding what ``_register_fsdp_hooks`` and
     the hooks it registers read; then the release's (possibly patched) ``_register_fsdp_hooks``.
     ``fine_grained``: ``enable_fine_grained_param_gather_hook`` (and 0.19's backward twin of it),
     an unshard hook before every module's forward and backward. ``buckets``: ``own``, one
     parameter group (bucket) per parameter; ``shared``, one for all, as ``_get_parameter_groups``
     groups parameters of one dtype outside FSDP units (the embedding and the output layer).
-    ``keep``: reduced buckets the reduce pipeline keeps before freeing (``ReducePipeline``)."""
+    ``keep``: reduced buckets the reduce pipeline keeps before freeing (``ReducePipeline``).
+    ``cls``: a subclass of the release's MegatronFSDP to build instead."""
     if buckets not in BUCKETS:
         raise ValueError(f"buckets={buckets!r}: one of {BUCKETS}")
-    cls = module_fsdp.MegatronFSDP
-    obj = object.__new__(cls)
+    obj = object.__new__(cls or module_fsdp.MegatronFSDP)
     torch.nn.Module.__init__(obj)
     params = [p for p in root.parameters() if p.requires_grad]
     members = [[p] for p in params] if buckets == "own" else [params]
@@ -369,6 +369,33 @@ def train(module_fsdp, *, tied: bool, mtp: bool, distributed: bool, micro_batche
     torch.manual_seed(seed)
     model = TiedLM(tied, mtp, checkpoint, fusion)
     obj = wrap(module_fsdp, model, distributed, **wrap_kwargs)
+    return run(model, obj, micro_batches=micro_batches, seed=seed, upstream_failure_skips=upstream_failure_skips)
+
+
+def run(model: TiedLM, obj, *, micro_batches: int = MICRO_BATCHES, seed: int = 0, upstream_failure_skips: bool = True):
+    """``train``'s micro-batches through a MegatronFSDP ``obj`` already built over ``model``;
+    its hooks are removed afterwards (``remove_hooks``)."""
+    try:
+        return _micro_batches(model, obj, micro_batches, seed, upstream_failure_skips)
+    finally:
+        remove_hooks(obj)
+
+
+HOOK_HANDLES = ("forward_pre_hooks", "forward_hooks", "backward_pre_hooks", "grad_acc_hooks")
+
+
+def remove_hooks(obj) -> None:
+    """Every hook the MegatronFSDP ``obj`` registered (the handles it keeps), removed, as at the
+    end of training. torch holds a parameter's post-accumulate-grad hooks where the collector
+    does not look, so an instance whose hooks stay would live as long as the process, and one
+    built under megatron's own hooks would make every later apply() report it."""
+    for name in HOOK_HANDLES:
+        for handle in list(vars(obj).get(name, {}).values()):
+            handle.remove()
+
+
+def _micro_batches(model: TiedLM, obj, micro_batches: int, seed: int, upstream_failure_skips: bool):
+    tied = model.tied
     gen = torch.Generator().manual_seed(seed + 1)
     tokens_list, grads_list = [], []
     for _ in range(micro_batches):

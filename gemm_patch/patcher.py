@@ -291,23 +291,18 @@ def _patch_module(module: types.ModuleType, reexecuted: bool) -> None:
 
 def _search_built_before(names: set[str]) -> None:
     """Find the instances of the classes that the named targets' installs patched at build
-    (``Target.built_classes``), built before the install: one pass over the objects the
-    collector tracks (instances of Python classes always are), only where such a class is
-    patched. Each instance the target cannot bring under its patch exactly
-    (``Target.runs_patched``) makes the target read ``bypassed`` while it lives, with one
-    WARNING; strict mode refuses it."""
+    (``Target.built_classes``), built before the install, only where such a class is patched.
+    Each instance the target cannot bring under its patch exactly (``Target.runs_patched``)
+    makes the target read ``bypassed`` while it lives, with one WARNING; strict mode refuses it."""
     classes = {t: cls for t in _targets if t.name in names
                if (cls := tuple(c for i in _state.installs.get(t.name, ()) for c in t.built_classes(i.undo)))}
     if not classes:
         return
-    every = tuple({c for found in classes.values() for c in found})
     early: dict[Target, list] = {t: [] for t in classes}
-    for obj in gc.get_objects():
-        kind = type(obj)  # not obj.__class__: a proxy's would name what it wraps
-        if issubclass(kind, every):
-            for target, found in classes.items():
-                if issubclass(kind, found) and not target.runs_patched(obj):
-                    early[target].append(obj)
+    for obj in _instances_of({c for found in classes.values() for c in found}):
+        for target, found in classes.items():
+            if issubclass(type(obj), found) and not target.runs_patched(obj):
+                early[target].append(obj)
     refused = []
     for target, objs in early.items():
         _state.bypassed[target.name] = weakref.WeakSet(objs)
@@ -317,6 +312,20 @@ def _search_built_before(names: set[str]) -> None:
             refused.append(f"{target.name}: {why}")
     if refused and _state.cfg is not None and _state.cfg.strict:
         raise GemmPatchError(f"{'; '.join(refused)}; refused because GEMM_PATCH_STRICT=1")
+
+
+def _instances_of(classes: set[type]) -> list:
+    """Every live instance of ``classes`` and their subclasses: the collector's referrers of
+    those classes (an instance of a class defined in Python refers to its class, and the
+    collector tracks it), one pass in C over the objects it tracks."""
+    kinds, todo = set(), list(classes)
+    while todo:
+        cls = todo.pop()
+        if cls not in kinds:
+            kinds.add(cls)
+            todo += cls.__subclasses__()
+    # type(), not __class__: a proxy's would name what it wraps
+    return [obj for obj in gc.get_referrers(*kinds) if type(obj) in kinds]
 
 
 def _look_again() -> None:

@@ -47,6 +47,14 @@ def state(name: str):
     return {t.name: t for t in gemm_patch.status().targets}[name]
 
 
+@pytest.fixture(autouse=True)
+def collected():
+    """Each test's instances collected after it (with their hooks removed they are garbage in
+    a cycle): a later apply() must not find them."""
+    yield
+    gc.collect()
+
+
 @pytest.fixture
 def warnings(caplog, monkeypatch):
     """The gemm_patch logger's records (its own handler, propagate off), each warning fresh."""

@@ -24,6 +24,7 @@ patched result differ from it by ~1e-3; a lost embedding or output-layer gradien
 
 from __future__ import annotations
 
+import gc
 import importlib
 import logging
 import types
@@ -99,6 +100,9 @@ def shared_off(fsdp, monkeypatch):
     if _ours(target, module):
         monkeypatch.setattr(module.MegatronFSDP, ATTR, live.__wrapped__)
     yield fsdp
+    # The instances built here run upstream's hooks: once the test drops them (``run`` removed
+    # their hooks) they are garbage in a cycle, collected now so that no later apply() finds them.
+    gc.collect()
 
 
 @pytest.fixture(autouse=True)

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import importlib
 import json
 import os
 import subprocess
 import sys
-import gc
 import types
 from collections.abc import Callable, Iterator, Mapping
 from functools import cache
@@ -608,7 +608,8 @@ def check_built_before_apply(target: Target, expect: str, build: Build | None,
         pytest.skip(f"{target.name} is {expect} here")
     module = import_module(target)
     gemm_patch.apply()
-    classes = [c for install in patcher._state.installs.get(target.name, []) for c in target.built_classes(install.undo)]
+    installs = patcher._state.installs.get(target.name, [])
+    classes = [c for install in installs for c in target.built_classes(install.undo)]
     if not classes:
         return  # megatron looks this patch up at every call: what it reaches is checked above
     if build is None:

@@ -29,7 +29,9 @@ from test_shared_weights import (  # noqa: F401  (fixtures: fsdp, parallel, cpu_
     fsdp,
     needs_code,
     parallel,
+    per_module_call_hooks,
     rel,
+    remove_hooks,
     run,
     wrap,
 )
@@ -91,12 +93,18 @@ def test_a_megatron_fsdp_built_before_apply_reads_bypassed(parallel, fsdp, mtp, 
     assert len(found) == 1 and found[0].levelno == logging.WARNING, [r.getMessage() for r in found]
     assert "GEMM_PATCH_AUTO=1" in found[0].getMessage()
 
-    # What the state names: megatron's own hooks lose the embedding lookup's gradient.
-    _, got, ref, _ = run(model, early)
-    assert rel(got["embedding.weight"], ref["embedding.weight"]) > 0.2
+    # What the state names: megatron's own hooks lose the embedding lookup's gradient. On
+    # megatron-core 0.14-0.15 they fail loudly instead (test_shared_weights), and a failed
+    # backward leaves the instance held by autograd's graph: not trained here.
+    if per_module_call_hooks(target, module):
+        remove_hooks(early)
+    else:
+        _, got, ref, _ = run(model, early)
+        assert rel(got["embedding.weight"], ref["embedding.weight"]) > 0.2
+        del _
     assert state(target.name).state == "bypassed" and len(warnings()) == 1
 
-    del early, model, _
+    del early, model
     gc.collect()
     assert state(target.name).state == expected_state(target)  # nothing left that runs upstream's hooks
 
@@ -113,7 +121,8 @@ def test_a_megatron_fsdp_built_before_apply_reads_bypassed(parallel, fsdp, mtp, 
 def test_hooks_bound_before_apply_are_found_at_the_first_backward(parallel, fsdp, distributed, warnings):
     """A subclass (a framework's wrapper) that bound megatron's method in its own class body
     before the patch: its instances, built after ``apply()``, still register upstream's hooks.
-    The first fused write into one of their parameters makes the patcher look again."""
+    The first fused write into one of their parameters makes the patcher look again (an
+    untied output layer: on megatron-core 0.14-0.15 upstream's hooks fail on a tied one first)."""
     target, module = fsdp
 
     def subclass():
@@ -124,7 +133,7 @@ def test_hooks_bound_before_apply_are_found_at_the_first_backward(parallel, fsdp
 
     bound_early = build_unpatched(subclass)
     torch.manual_seed(0)
-    model = TiedLM(tied=True)
+    model = TiedLM(tied=False)
     obj = wrap(module, model, distributed, cls=bound_early)
     gc.collect()  # an earlier test's instance, its hooks removed, is garbage in a cycle
     assert state(target.name).state in PATCHED  # nothing has met this one yet

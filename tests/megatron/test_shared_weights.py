@@ -385,17 +385,22 @@ def run(model: TiedLM, obj, *, micro_batches: int = MICRO_BATCHES, seed: int = 0
         remove_hooks(obj)
 
 
-HOOK_HANDLES = ("forward_pre_hooks", "forward_hooks", "backward_pre_hooks", "grad_acc_hooks")
-
-
 def remove_hooks(obj) -> None:
-    """Every hook the MegatronFSDP ``obj`` registered (the handles it keeps), removed, as at the
-    end of training. torch holds a parameter's post-accumulate-grad hooks where the collector
-    does not look, so an instance whose hooks stay would live as long as the process, and one
-    built under megatron's own hooks would make every later apply() report it."""
-    for name in HOOK_HANDLES:
-        for handle in list(vars(obj).get(name, {}).values()):
-            handle.remove()
+    """Every hook the MegatronFSDP ``obj`` registered and kept a handle of, removed, as at the
+    end of training. torch holds a parameter's hooks where the collector does not look, so an
+    instance whose hooks stay would live as long as the process, and one built under megatron's
+    own hooks would make every later apply() report it."""
+    from torch.utils.hooks import RemovableHandle
+
+    for value in list(vars(obj).values()):
+        for handle in (value.values() if isinstance(value, dict) else (value,)):
+            if isinstance(handle, RemovableHandle):
+                handle.remove()
+    # megatron-core 0.14-0.15 register tensor hooks on the parameters at each forward
+    # (register_multi_grad_hook) and keep no handle: torch keeps them in _backward_hooks.
+    for param in vars(obj)["module"].parameters():
+        if param._backward_hooks:
+            param._backward_hooks.clear()
 
 
 def _micro_batches(model: TiedLM, obj, micro_batches: int, seed: int, upstream_failure_skips: bool):

@@ -347,10 +347,11 @@ def _bypassed(target: Target) -> str | None:
     if not alive:
         return None
     kinds = ", ".join(sorted({type(obj).__name__ for obj in alive}))
+    one = len(alive) == 1
     where = getattr(target, "where", target.module)
-    return (f"{len(alive)} {kinds} built before gemm_patch.apply() keep{'s' if len(alive) == 1 else ''} "
-            f"megatron's own {where} (it ran when they were built): they train as without gemm-patch; "
-            f"build the model after the patch: run the job under `gemm-patch run`, set GEMM_PATCH_AUTO=1, "
+    return (f"{len(alive)} {kinds} built before gemm_patch.apply() keep{'s' if one else ''} what megatron's own "
+            f"{where} set up when {'it was' if one else 'they were'} built, which {target.name}'s fix does not "
+            f"reach; build the model after the patch: run the job under `gemm-patch run`, set GEMM_PATCH_AUTO=1, "
             f"or import gemm_patch before building the model (docs/troubleshooting.md)")
 
 

@@ -35,7 +35,7 @@ gradient. The call sets the flag again where fsdp-wgrad recorded a fused write o
 (``wgrad_accumulates``), so the statement above adds instead. And one call first in the method
 itself::
 
-    _gemm_patch_hooks_end_records(root_module)   # added: fsdp_rules.hooks_end_records
+    _gemm_patch_hooks_end_records(self, root_module)   # added: fsdp_rules.hooks_end_records
 
 marks the instance and the parameters these hooks handle: only for them may such a record make
 a fused write add (under hooks the twin did not build, nothing ends the record where the

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import re
 
 import pytest
 from conftest import torch
@@ -141,3 +142,21 @@ def test_hooks_bound_before_apply_are_found_at_the_first_backward(parallel, fsdp
     st = state(target.name)
     assert st.state == "bypassed" and f"1 BoundEarly {WORDS}" in st.reason, (st.state, st.reason)
     assert len(warnings()) == 1
+
+
+@needs_code
+def test_strict_mode_refuses_a_megatron_fsdp_built_before_apply(parallel, fsdp, warnings):
+    target, module = fsdp
+    gemm_patch.apply()
+    torch.manual_seed(0)
+    model = TiedLM(tied=True)
+    early = build_unpatched(lambda: wrap(module, model, True))
+    gemm_patch.revert()
+    try:
+        refused = re.escape(f"{target.name}: 1 MegatronFSDP {WORDS}") + ".*GEMM_PATCH_STRICT=1"
+        with pytest.raises(gemm_patch.GemmPatchError, match=refused):
+            gemm_patch.apply(strict=True)
+    finally:
+        gemm_patch.revert()
+        gemm_patch.apply()
+        remove_hooks(early)

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import importlib
 import json
 import os
 import subprocess
 import sys
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from functools import cache
 from typing import Any
 
@@ -590,9 +591,54 @@ def check_not_applicable(target: Target, expect: str) -> None:
         gemm_patch.apply()
 
 
-def define_tests(namespace: dict, component: str, expected: dict[str, str]) -> None:
+# An instance megatron builds through a target's module (``build(module)``, in whatever the
+# component's ``around`` sets up), returned as a function that trains through it with megatron's
+# own code and says whether the result is the patched one.
+Build = Callable[[types.ModuleType], Callable[[], bool]]
+
+
+def check_built_before_apply(target: Target, expect: str, build: Build | None,
+                             around: Callable[[], contextlib.AbstractContextManager]) -> None:
+    """No object megatron can reach runs upstream code while status says verified, whatever was
+    built before apply(): for a target that patches what megatron runs once per instance, when it
+    is built (``Target.built_classes``), one instance built while the target is not applied and
+    one built after, both trained through megatron's own code after apply(). The later one must
+    train patched; the earlier one too, unless the target's status says it is not patched."""
+    if not patched(expect):
+        pytest.skip(f"{target.name} is {expect} here")
+    module = import_module(target)
+    gemm_patch.apply()
+    installs = patcher._state.installs.get(target.name, [])
+    classes = [c for install in installs for c in target.built_classes(install.undo)]
+    if not classes:
+        return  # megatron looks this patch up at every call: what it reaches is checked above
+    if build is None:
+        pytest.skip(f"no harness in this folder builds a {classes[0].__name__}")
+    with around():
+        gemm_patch.revert()
+        try:
+            with environ(GEMM_PATCH_DISABLE=target.name):  # every other fix there (apex's stand-in too)
+                gemm_patch.apply()
+                early = build(module)
+        finally:
+            gemm_patch.revert()
+            gemm_patch.apply()
+        late = build(module)
+        st = state_of(target.name)
+        assert late(), f"{target.name}: an instance built after apply() trained as megatron's own code does"
+        assert early() or st.state not in PATCHED_STATES, (
+            f"{target.name} says {st.state} while an instance built before apply() trained as megatron's own code "
+            f"does ({st.reason})")
+        del early, late
+        gc.collect()  # what the instances hold in cycles: no later check finds them
+
+
+def define_tests(namespace: dict, component: str, expected: dict[str, str], built: Mapping[str, Build] | None = None,
+                 around: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> None:
     """The contract's test functions for ``component``'s targets, put into a test module's
-    ``namespace`` (each test folder runs them against its own release)."""
+    ``namespace`` (each test folder runs them against its own release). ``built``: per target
+    name, how megatron's code builds what that target patches at build (``Build``), run inside
+    ``around()``."""
     targets = params(component)
     by_target = pytest.mark.parametrize("target", targets)
 
@@ -644,5 +690,9 @@ def define_tests(namespace: dict, component: str, expected: dict[str, str]) -> N
     @by_target
     def test_not_applicable_changes_nothing(target):
         check_not_applicable(target, expect(target))
+
+    @by_target
+    def test_nothing_built_before_apply_runs_upstream_code_while_status_says_patched(target):
+        check_built_before_apply(target, expect(target), (built or {}).get(target.name), around)
 
     namespace.update({name: value for name, value in locals().items() if name.startswith("test_")})

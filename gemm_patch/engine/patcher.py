@@ -15,6 +15,7 @@ version (``use_version``).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import sys
 import threading
@@ -29,6 +30,7 @@ from . import config, detection, imports, release_data
 from .callsite import same_function
 from .report import Status, SummaryLog, configure_logging, emit, log
 from .target import (
+    BYPASSED,
     NOT_APPLICABLE,
     OFF,
     PATCHED_STATES,
@@ -42,6 +44,7 @@ from .target import (
     Undo,
     public_version,
     read_states_with,
+    search_with,
 )
 
 __all__ = ["GemmPatchError", "Status", "apply", "revert", "status", "import_target_modules", "log", "use_targets",
@@ -85,6 +88,11 @@ class _State:
     judged: dict[tuple[str, int], TargetStatus] = field(default_factory=dict)  # (target, id(module in seen))
     summary: SummaryLog = field(default_factory=SummaryLog)
     warned: set[str] = field(default_factory=set)
+    # target -> its instances built before its install that still run upstream's code (weakly:
+    # one that is gone stops counting), from the last search (``_search_built_before``).
+    bypassed: dict[str, weakref.WeakSet] = field(default_factory=dict)
+    to_search: set[str] = field(default_factory=set)  # targets installed anew since the last search
+    looked_again: bool = False  # a patched code path asked for a search since the last apply()
 
 
 _lock = threading.RLock()
@@ -101,6 +109,7 @@ def use_targets(targets: Sequence[Target]) -> None:
         _targets = tuple(targets)
         _components = {t.module.split(".")[0]: t.distribution for t in _targets}
         read_states_with(lambda: {t.name: t.state for t in status().targets})
+        search_with(_look_again)
 
 
 def use_version(version: str) -> None:
@@ -189,6 +198,9 @@ def apply_quietly(strict: bool | None = None) -> None:
                 _patch_module(module, reexecuted=False)
             if live is not None and not still_importing(live):
                 _patch_module(live, reexecuted=False)
+        _state.looked_again = False
+        installed, _state.to_search = _state.to_search, set()
+        _search_built_before(installed)
 
 
 def _wait_for_half_imported_modules() -> None:
@@ -218,6 +230,8 @@ def revert() -> Status:
     left as it is, with one warning."""
     with _lock:
         _state.cfg = None
+        _state.bypassed.clear()
+        _state.to_search.clear()
         for name, installs in list(_state.installs.items()):
             left = []
             for install in reversed(installs):
@@ -283,6 +297,8 @@ def _patch_module(module: types.ModuleType, reexecuted: bool) -> None:
             _inherit_originals(undo, installs)
             _extend_to_earlier_classes(target, undo)
             installs.append(_Install(module, _home(target, module), undo, st))
+            if not reexecuted:  # its classes may have instances already, built without the patch
+                _state.to_search.add(target.name)
         _state.judged[(target.name, id(module))] = st
         if live is module or live is None:  # an earlier module object's verdict is checked by status()
             _state.statuses[target.name] = st
@@ -290,6 +306,72 @@ def _patch_module(module: types.ModuleType, reexecuted: bool) -> None:
     if done:
         _state.summary.record(_components.get(module.__name__.split(".")[0], "megatron-core"), version,
                               done, _backend_summary())
+
+
+def _search_built_before(names: set[str]) -> None:
+    """Find the instances of the classes that the named targets' installs patched at build
+    (``Target.built_classes``), built before the install, only where such a class is patched.
+    Each instance the target cannot bring under its patch exactly (``Target.runs_patched``)
+    makes the target read ``bypassed`` while it lives, with one WARNING; strict mode refuses it."""
+    classes = {t: cls for t in _targets if t.name in names
+               if (cls := tuple(c for i in _state.installs.get(t.name, ()) for c in t.built_classes(i.undo)))}
+    if not classes:
+        return
+    early: dict[Target, list] = {t: [] for t in classes}
+    for obj in _instances_of({c for found in classes.values() for c in found}):
+        for target, found in classes.items():
+            if issubclass(type(obj), found) and not target.runs_patched(obj):
+                early[target].append(obj)
+    refused = []
+    for target, objs in early.items():
+        _state.bypassed[target.name] = weakref.WeakSet(objs)
+        why = _bypassed(target)
+        if why is not None:
+            _warn_once(f"bypassed:{target.name}", f"{target.name}: {why}")
+            refused.append(f"{target.name}: {why}")
+    if refused and _state.cfg is not None and _state.cfg.strict:
+        raise GemmPatchError(f"{'; '.join(refused)}; refused because GEMM_PATCH_STRICT=1")
+
+
+def _instances_of(classes: set[type]) -> list:
+    """Every live instance of ``classes`` and their subclasses: the collector's referrers of
+    those classes (an instance of a class defined in Python refers to its class, and the
+    collector tracks it), one pass in C over the objects it tracks."""
+    kinds, todo = set(), list(classes)
+    while todo:
+        cls = todo.pop()
+        if cls not in kinds:
+            kinds.add(cls)
+            todo += cls.__subclasses__()
+    # type(), not __class__: a proxy's would name what it wraps
+    return [obj for obj in gc.get_referrers(*kinds) if type(obj) in kinds]
+
+
+def _look_again() -> None:
+    """``target.look_again``: a search of every installed target, once per ``apply()``."""
+    with _lock:
+        if _state.cfg is None or _state.looked_again:
+            return
+        _state.looked_again = True
+        try:
+            _search_built_before(set(_state.installs))
+        except GemmPatchError:
+            pass  # strict mode refuses at apply(); in a backward the status and the warning say it
+
+
+def _bypassed(target: Target) -> str | None:
+    """Why ``target`` reads ``bypassed`` (its instances built before the install that are
+    still alive), or None."""
+    alive = list(_state.bypassed.get(target.name, ()))
+    if not alive:
+        return None
+    kinds = ", ".join(sorted({type(obj).__name__ for obj in alive}))
+    one = len(alive) == 1
+    where = getattr(target, "where", target.module)
+    return (f"{len(alive)} {kinds} built before gemm_patch.apply() keep{'s' if one else ''} what megatron's own "
+            f"{where} set up when {'it was' if one else 'they were'} built, which {target.name}'s fix does not "
+            f"reach; build the model after the patch: run the job under `gemm-patch run`, set GEMM_PATCH_AUTO=1, "
+            f"or import gemm_patch before building the model (docs/troubleshooting.md)")
 
 
 def _remember(module: types.ModuleType) -> None:
@@ -409,6 +491,9 @@ def _live_status(target: Target, cfg: config.Config | None) -> TargetStatus:
         if problem:
             return TargetStatus(st.name, st.module, REPLACED, f"{problem}; gemm_patch.apply() patches it again "
                                 f"where it can", st.version, st.fingerprint)
+        early = _bypassed(target)
+        if early:
+            return TargetStatus(st.name, st.module, BYPASSED, early, st.version, st.fingerprint)
     waiting = st.state == PENDING or (st.state == OFF and cfg is not None and st.reason == target.switched_off(cfg))
     if not waiting or target.module in sys.modules:
         return st

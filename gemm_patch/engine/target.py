@@ -31,9 +31,10 @@ SKIPPED = "skipped"  # could not be inspected, or the live object is not the one
 PENDING = "pending"  # its module is not imported yet: patched right after its import
 OFF = "off"
 REPLACED = "replaced"  # another object sits where gemm_patch's was: left as it is
+BYPASSED = "bypassed"  # patched, but objects built before the install still run upstream's code
 
 PATCHED_STATES = frozenset({VERIFIED, COMPATIBLE, FORCED})
-TROUBLED_STATES = frozenset({UNVERIFIED, SKIPPED, REPLACED})  # a WARNING: not patched where it should be
+TROUBLED_STATES = frozenset({UNVERIFIED, SKIPPED, REPLACED, BYPASSED})  # a WARNING: not patched where it should be
 
 # What each state means, for `gemm-patch status` (a target adds its own in ``extra_states``).
 STATE_MEANINGS = {
@@ -43,6 +44,7 @@ STATE_MEANINGS = {
     UNVERIFIED: "left alone: the code differs from every recorded release",
     SKIPPED: "left alone: the code could not be read, or is not the file's own",
     REPLACED: "something else was installed over gemm_patch's object since",
+    BYPASSED: "patched, but objects built before gemm_patch.apply() still run megatron's own code",
     PENDING: "waiting: patched right after its module is imported",
     OFF: "turned off by a variable, revert(), or not applied",
     NOT_APPLICABLE: "nothing to fix in what is installed",
@@ -65,6 +67,26 @@ def read_states_with(reader: Callable[[], Mapping[str, str]]) -> None:
 def current_states() -> Mapping[str, str]:
     """Every registered target's state now (as ``status()`` reports it)."""
     return _states_reader()
+
+
+# The patcher's search for instances built before their target's install (``look_again``),
+# handed down by ``use_targets`` as the states reader is.
+def _no_search() -> None:
+    return None
+
+
+_searcher: Callable[[], None] = _no_search
+
+
+def search_with(searcher: Callable[[], None]) -> None:
+    global _searcher
+    _searcher = searcher
+
+
+def look_again() -> None:
+    """A patched code path met an object built outside the patch: search the process again for
+    instances built before their install (at most once per ``apply()``), so that status says so."""
+    _searcher()
 
 
 @dataclass
@@ -266,6 +288,18 @@ class Target:
         itself, unless the target patches another module that this one imports."""
         return module
 
+    def built_classes(self, undo: Undo) -> tuple[type, ...]:
+        """The classes whose instances take this patch once, when they are built (hooks
+        registered as closures, settings recorded in ``__init__``), among what ``undo``
+        patched: an instance built before the install keeps upstream's code. Empty (the
+        default): megatron looks the patched code up at every call."""
+        return ()
+
+    def runs_patched(self, instance: Any) -> bool:
+        """Whether ``instance`` (of one of ``built_classes``) runs this patch, after bringing
+        it under the patch where that can be done exactly."""
+        return True
+
     # -- what a target says ---------------------------------------------------------------
 
     def summary_part(self, st: TargetStatus) -> str:
@@ -372,10 +406,19 @@ class MethodTarget(Target):
 
     owner: str
     attribute: str
+    # The method runs once per instance, when it is built (``built_classes``).
+    runs_at_build: bool = False
 
     @property
     def where(self) -> str:
         return f"{self.owner}.{self.attribute}"
+
+    def built_classes(self, undo: Undo) -> tuple[type, ...]:
+        if not self.runs_at_build:
+            return ()
+        return tuple(step.owner for step in undo.steps
+                     if isinstance(step.owner, type) and step.owner.__name__ == self.owner
+                     and step.name == self.attribute)
 
     def live_object(self, module: types.ModuleType) -> Any:
         cls = vars(module).get(self.owner)

@@ -23,6 +23,10 @@ multiplies each marked buffer by its factor once. Every other buffer keeps megat
 ``average_in_collective`` (megatron's AVG instead of the factor) is left as it is. A
 communication copy in another dtype (``grad_comm_dtype``) is not the buffer's memory and is left
 as upstream has it.
+
+A buffer built before the patch (a model built before ``apply()``) did not pass through the
+wrapped ``__init__``: ``apply()`` finds those buffers (``Target.built_classes``) and records each
+by the same rule, from the settings its ``__init__`` stored.
 """
 
 from __future__ import annotations
@@ -68,10 +72,15 @@ class OneRankBuffers:
 
     def record_after_init(self, wrapped, instance, args, kwargs):
         result = wrapped(*args, **kwargs)
-        factor = getattr(instance, "gradient_scaling_factor", None)
-        if getattr(instance, "dp_world_size", None) == 1 and factor is not None and factor != 1:
-            self.buffers.add(instance)
+        self.record(instance)
         return result
+
+    def record(self, buffer: Any) -> None:
+        """Record ``buffer`` where it is over a one-rank group with a factor. It reads only what
+        ``__init__`` stored, so a buffer built before the patch is recorded as one built after."""
+        factor = getattr(buffer, "gradient_scaling_factor", None)
+        if getattr(buffer, "dp_world_size", None) == 1 and factor is not None and factor != 1:
+            self.buffers.add(buffer)
 
     def owner_of(self, grad_data: Any) -> Any:
         """The recorded buffer whose data holds all of ``grad_data`` (by address: buffers may be
@@ -155,12 +164,17 @@ class OneRankScaleTarget(MethodTarget):
     def in_place(self, module: types.ModuleType, undo: Undo) -> str | None:
         return Target.in_place(self, module, undo)
 
+    def runs_patched(self, instance: Any) -> bool:
+        self.buffers.record(instance)  # a buffer built before apply(): its settings read now
+        return True
+
 
 _COMMON = dict(
     switch="GEMM_PATCH_ONE_RANK_SCALE",
     relies_on=f"{FUNCTION}, DataParallelBuffer.__init__ and {BUFFERS}.{UPDATE}",
     owner="DataParallelBuffer",
     attribute="__init__",
+    runs_at_build=True,
 )
 
 TARGET, STANDALONE = in_both_fsdp_packages(OneRankScaleTarget, "fsdp-one-rank-scale", "megatron_fsdp",

@@ -35,11 +35,13 @@ gradient. The call sets the flag again where fsdp-wgrad recorded a fused write o
 (``wgrad_accumulates``), so the statement above adds instead. And one call first in the method
 itself::
 
-    _gemm_patch_hooks_end_records(root_module)   # added: fsdp_rules.hooks_end_records
+    _gemm_patch_hooks_end_records(self, root_module)   # added: fsdp_rules.hooks_end_records
 
-marks the parameters these hooks handle: only for them may such a record make a fused write
-add (under hooks the twin did not build, nothing ends the record where the gradient is handed
-on).
+marks the instance and the parameters these hooks handle: only for them may such a record make
+a fused write add (under hooks the twin did not build, nothing ends the record where the
+gradient is handed on). A MegatronFSDP built before the patch keeps upstream's hooks; the
+patcher finds such instances at ``apply()`` (and again when fsdp-wgrad first writes a parameter
+no twin's hooks handle) and the target reads ``bypassed`` while one lives.
 
 On megatron-core 0.14-0.15 (megatron-fsdp 0.1-0.2) the twin makes two more edits. There a
 pre-forward hook on every module passes each tensor argument that requires grad through an
@@ -82,7 +84,7 @@ from ..engine.callsite import (
 )
 from ..engine.config import Config
 from ..engine.target import DEFAULTS, Inspection, MethodTarget, PatchedTwin, Undo, in_both_fsdp_packages
-from ..upstream.fsdp_rules import hooks_end_records, is_fsdp_param, restore_written_flag, without_pending_uses
+from ..upstream.fsdp_rules import HOOKED, hooks_end_records, is_fsdp_param, restore_written_flag, without_pending_uses
 
 NESTED = "_grad_acc"
 STATEMENT = "if param.grad_added_to_main_grad and param.grad is not None:\n    del param.grad\n"
@@ -172,10 +174,10 @@ def _edit_grad_acc(funcdef: ast.FunctionDef) -> None:
     body = _nested(funcdef)[0].body
     first = _after_docstring(body)
     body.insert(first, ast.copy_location(_call(FLAG_CELL, "param"), body[first]))
-    # First in the method itself: the parameters it registers hooks for get these hooks.
+    # First in the method itself: the instance and the parameters it registers hooks for get these hooks.
     first = _after_docstring(funcdef.body)
-    root = funcdef.args.args[1].arg
-    funcdef.body.insert(first, ast.copy_location(_call(MANAGED_CELL, root), funcdef.body[first]))
+    instance, root = funcdef.args.args[0].arg, funcdef.args.args[1].arg
+    funcdef.body.insert(first, ast.copy_location(_call(MANAGED_CELL, instance, root), funcdef.body[first]))
 
 
 def _edit_both(funcdef: ast.FunctionDef) -> None:
@@ -227,6 +229,11 @@ class SharedGradTarget(MethodTarget):
         check_live_is_source(module, self.owner, self.attribute)
         return Inspection(fp, True, f"{self.where}.{NESTED}", AnalysedFunction(module, funcdef, fp, []))
 
+    def runs_patched(self, instance: Any) -> bool:
+        # Its hooks are closures made when it was built: registering them again would change
+        # their order among the host's own hooks, so an instance built before is only reported.
+        return instance in HOOKED
+
     def install(self, module: types.ModuleType, found: Inspection, undo: Undo, cfg: Config) -> str | None:
         both = found.fingerprint in self.param_arg_fingerprints
         cells = {CELL: add_shared_grad, FLAG_CELL: restore_written_flag, MANAGED_CELL: hooks_end_records,
@@ -242,6 +249,7 @@ _COMMON = dict(
     relies_on="hook registration",
     owner="MegatronFSDP",
     attribute="_register_fsdp_hooks",
+    runs_at_build=True,  # from MegatronFSDP.__init__: its hooks are closures of that call
 )
 
 TARGET, STANDALONE = in_both_fsdp_packages(SharedGradTarget, "fsdp-shared-grad", "megatron_fsdp", **_COMMON)

@@ -12,6 +12,8 @@ import logging
 import weakref
 from typing import Any
 
+from ..target import look_again
+
 # Marks a weight megatron or Megatron-FSDP treats as used more than once: its .grad is added to
 # or kept (zero_out_wgrad, the hook skipping _is_shared), so it must not alias main_grad.
 SHARED_MARKS = ("_is_shared", "shared", "shared_embedding", "zero_out_wgrad")
@@ -76,6 +78,10 @@ WRITTEN = ParamTable()
 # those hooks are known to hand a gradient on (``_grad_acc``, the bucket's reduce) after every
 # use of the weight in the backward, so only there may a record decide that a write adds.
 MANAGED = ParamTable()
+# The MegatronFSDP instances whose hooks fsdp-shared-grad's twin registered (weakly held).
+HOOKED: weakref.WeakSet = weakref.WeakSet()
+# Parameters met by a fused write under hooks that are not the twin's (each reported once).
+MET_UNMANAGED = ParamTable()
 _graph_task = None  # torch._C._current_graph_task_id, bound on the first call (it imports torch)
 log = logging.getLogger("gemm_patch")
 _warned: set[str] = set()
@@ -97,10 +103,12 @@ def written_in(param: Any, backward: int | None) -> bool:
     return backward is not None and backward >= 0 and WRITTEN.get(param) == backward
 
 
-def hooks_end_records(root_module: Any) -> None:
-    """First statement of fsdp-shared-grad's ``_register_fsdp_hooks``: the parameters of
-    ``root_module`` get hooks that end a record where the gradient is handed on. Without a
-    module to read (nothing registered yet) no parameter is marked: its writes overwrite."""
+def hooks_end_records(fsdp: Any, root_module: Any) -> None:
+    """First statement of fsdp-shared-grad's ``_register_fsdp_hooks``: the MegatronFSDP
+    ``fsdp`` runs the twin's hooks, and the parameters of ``root_module`` get hooks that end a
+    record where the gradient is handed on. Without a module to read (nothing registered yet)
+    no parameter is marked: its writes overwrite."""
+    HOOKED.add(fsdp)
     parameters = getattr(root_module, "parameters", None)
     for param in parameters() if callable(parameters) else ():
         MANAGED.set(param, True)
@@ -151,6 +159,10 @@ def wgrad_accumulates(param: Any) -> bool:
     if param is None:
         return False
     attrs = getattr(param, "__dict__", {})
+    if attrs.get("_gbuf") is not None and MANAGED.get(param) is None and MET_UNMANAGED.get(param) is None:
+        # Megatron-FSDP hooks that are not the twin's: a MegatronFSDP built before apply()?
+        MET_UNMANAGED.set(param, True)
+        look_again()
     backward = current_backward()
     written = written_in(param, backward)
     if backward is not None:

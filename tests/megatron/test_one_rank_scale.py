@@ -316,3 +316,32 @@ def test_premul_sum_through_an_alias_is_unverified(tmp_path):
         assert not undo.steps
     finally:
         sys.modules.pop(edited.__name__, None)
+
+
+@needs_patch
+@pytest.mark.parametrize("factor", [FACTOR, 2.0])
+def test_a_buffer_built_before_apply_is_scaled_once(factor):
+    """A one-rank buffer built before ``gemm_patch.apply()`` (a model built, then ``import
+    gemm_patch``) never passed through the patched ``__init__``: apply() finds it and records it
+    by the same rule, so its factor is applied once, as for a buffer built after (0.4.0: the
+    factor was left to NCCL, which drops it on one rank: 2.000x at 0.5). revert() puts
+    megatron's op back for it."""
+    gemm_patch.revert()
+    try:
+        (early,) = buffers(factors=(factor,))
+        settings = dict(vars(early))
+    finally:
+        gemm_patch.apply()
+    assert target_state().state == EXPECT
+    grads = micro_batch_grads(MICRO_BATCHES)
+    ops = run_step(early, ddp_config(), grads)
+    assert all(op == torch.distributed.ReduceOp.SUM for op in ops)
+    expected = factor * torch.stack(grads).sum(0)
+    ratio = (early.data / expected).mean().item()
+    assert torch.equal(early.data, expected), f"gradient {ratio:.3f}x the expected"
+    assert vars(early) == settings, "the buffer's own settings are untouched"
+    gemm_patch.revert()
+    try:
+        assert pgb.gradient_reduce_preprocessing(early.data, factor, ddp_config()) != torch.distributed.ReduceOp.SUM
+    finally:
+        gemm_patch.apply()

@@ -24,6 +24,7 @@ patched result differ from it by ~1e-3; a lost embedding or output-layer gradien
 
 from __future__ import annotations
 
+import gc
 import importlib
 import logging
 import types
@@ -100,6 +101,9 @@ def shared_off(fsdp, monkeypatch):
     if _ours(target, module):
         monkeypatch.setattr(module.MegatronFSDP, ATTR, live.__wrapped__)
     yield fsdp
+    # The instances built here run upstream's hooks: once the test drops them (``run`` removed
+    # their hooks) they are garbage in a cycle, collected now so that no later apply() finds them.
+    gc.collect()
 
 
 @pytest.fixture(autouse=True)
@@ -230,18 +234,18 @@ BUCKETS = ("own", "shared")
 
 
 def wrap(module_fsdp, root: torch.nn.Module, distributed: bool, strategy: str | None = None,
-         fine_grained: bool = False, buckets: str = "own", keep: int | None = None):
+         fine_grained: bool = False, buckets: str = "own", keep: int | None = None, cls: type | None = None):
     """A MegatronFSDP over ``root`` without __init__, holding what ``_register_fsdp_hooks`` and
     the hooks it registers read; then the release's (possibly patched) ``_register_fsdp_hooks``.
     ``fine_grained``: ``enable_fine_grained_param_gather_hook`` (and 0.19's backward twin of it),
     an unshard hook before every module's forward and backward. ``buckets``: ``own``, one
     parameter group (bucket) per parameter; ``shared``, one for all, as ``_get_parameter_groups``
     groups parameters of one dtype outside FSDP units (the embedding and the output layer).
-    ``keep``: reduced buckets the reduce pipeline keeps before freeing (``ReducePipeline``)."""
+    ``keep``: reduced buckets the reduce pipeline keeps before freeing (``ReducePipeline``).
+    ``cls``: a subclass of the release's MegatronFSDP to build instead."""
     if buckets not in BUCKETS:
         raise ValueError(f"buckets={buckets!r}: one of {BUCKETS}")
-    cls = module_fsdp.MegatronFSDP
-    obj = object.__new__(cls)
+    obj = object.__new__(cls or module_fsdp.MegatronFSDP)
     torch.nn.Module.__init__(obj)
     params = [p for p in root.parameters() if p.requires_grad]
     members = [[p] for p in params] if buckets == "own" else [params]
@@ -370,6 +374,38 @@ def train(module_fsdp, *, tied: bool, mtp: bool, distributed: bool, micro_batche
     torch.manual_seed(seed)
     model = TiedLM(tied, mtp, checkpoint, fusion)
     obj = wrap(module_fsdp, model, distributed, **wrap_kwargs)
+    return run(model, obj, micro_batches=micro_batches, seed=seed, upstream_failure_skips=upstream_failure_skips)
+
+
+def run(model: TiedLM, obj, *, micro_batches: int = MICRO_BATCHES, seed: int = 0, upstream_failure_skips: bool = True):
+    """``train``'s micro-batches through a MegatronFSDP ``obj`` already built over ``model``;
+    its hooks are removed afterwards (``remove_hooks``)."""
+    try:
+        return _micro_batches(model, obj, micro_batches, seed, upstream_failure_skips)
+    finally:
+        remove_hooks(obj)
+
+
+def remove_hooks(obj) -> None:
+    """Every hook the MegatronFSDP ``obj`` registered and kept a handle of, removed, as at the
+    end of training. torch holds a parameter's hooks where the collector does not look, so an
+    instance whose hooks stay would live as long as the process, and one built under megatron's
+    own hooks would make every later apply() report it."""
+    from torch.utils.hooks import RemovableHandle
+
+    for value in list(vars(obj).values()):
+        for handle in (value.values() if isinstance(value, dict) else (value,)):
+            if isinstance(handle, RemovableHandle):
+                handle.remove()
+    # megatron-core 0.14-0.15 register tensor hooks on the parameters at each forward
+    # (register_multi_grad_hook) and keep no handle: torch keeps them in _backward_hooks.
+    for param in vars(obj)["module"].parameters():
+        if param._backward_hooks:
+            param._backward_hooks.clear()
+
+
+def _micro_batches(model: TiedLM, obj, micro_batches: int, seed: int, upstream_failure_skips: bool):
+    tied = model.tied
     gen = torch.Generator().manual_seed(seed + 1)
     tokens_list, grads_list = [], []
     for _ in range(micro_batches):

@@ -46,8 +46,7 @@ nvidia-smi --query-gpu=name --format=csv,noheader > "$OUT/device.txt" 2>&1
 model_args() {
     "$PY" - "$REL" "$ITERS" "$1" <<'PY'
 import os, shlex, sys
-sys.path.insert(0, os.path.join(os.environ["ROOT"], "benchmarks"))
-import pretrain_gpt_bench as bench
+from benchmarks import pretrain_gpt_bench as bench  # ROOT is on PYTHONPATH
 release, iters, kind = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 bench.prepare_kit(release, os.environ["KIT"])  # the no-op Makefile megatron's initialize wants
 args = bench.pretrain_args(release, bench.SIZES["hidden2048"], kind != "moe", iters) + ["--log-interval", "1"]

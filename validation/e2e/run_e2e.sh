@@ -279,8 +279,7 @@ for p in sorted((scratch / "parts").glob("compare_*.json")):
                     for r in data.get("rows", [])]
     result["grad_compare"][p.stem.removeprefix("compare_")] = data
 try:  # the loss-parity verdicts, as the table states them
-    sys.path.insert(0, here)
-    import plot_e2e
+    from validation.e2e import plot_e2e  # run from the repository root
     result["loss_parity"] = plot_e2e.all_parity(result)
 except Exception as exc:
     result["loss_parity"] = {"error": f"{type(exc).__name__}: {exc}"}

@@ -255,16 +255,14 @@ def write_logs(path: Path, folders: list[Path]) -> None:
                 f.write(log.read_text(errors="replace")[-20000:])
 
 
-def merge(new: Path, results: Path = RESULTS) -> int:
-    """Add a run's records to the committed ones (same case and configuration: replaced) and
-    rewrite the table beside them."""
+def merge(new: list[Path], results: Path = RESULTS) -> int:
+    """Add runs' records (parity and memory) to the committed ones (the same measurement:
+    replaced) and rewrite the table beside them."""
     from validation.shared_gpu import table
 
-    def key(r: dict[str, Any]) -> tuple:
-        return r["entry"], r["release"], r["ranks"], r["layout"], r["strategy"], r["config"]
-
-    merged = {key(r): r for r in table.load(results)} if results.exists() else {}
-    merged.update((key(r), r) for r in table.load(new))
+    merged = {table.record_key(r): r for r in table.load(results)} if results.exists() else {}
+    for path in new:
+        merged.update((table.record_key(r), r) for r in table.load(path))
     results.write_text("".join(json.dumps(r) + "\n" for r in sorted(merged.values(), key=table.sort_key)))
     table.write(results)
     print(f"{results}: {len(merged)} records")
@@ -274,7 +272,8 @@ def merge(new: Path, results: Path = RESULTS) -> int:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", help="folder for many_ranks.jsonl and the logs")
-    p.add_argument("--merge", metavar="JSONL", help="add these records to the committed ones; nothing runs")
+    p.add_argument("--merge", nargs="+", metavar="JSONL",
+                   help="add these records (parity.py's and memory.py's) to the committed ones; nothing runs")
     p.add_argument("--releases", default="0.17.1,0.19.2")
     p.add_argument("--ranks", default="2,4,8", help="data-parallel ranks, all on GPU 0")
     p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"some of {', '.join(LAYOUTS)}")
@@ -301,7 +300,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.merge:
-        return merge(Path(args.merge))
+        return merge([Path(m) for m in args.merge])
     if Path(args.scratch).exists():
         shutil.rmtree(args.scratch)
     return campaign(args)

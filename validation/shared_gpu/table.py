@@ -33,7 +33,7 @@ def _index(order: tuple[str, ...], value: str) -> int:
 def sort_key(r: dict[str, Any]) -> tuple:
     return (r.get("kind", "parity"), r["entry"], tuple(int(x) for x in r["release"].split(".")), r["ranks"],
             _index(LAYOUT_ORDER, r.get("layout", "")), _index(STRATEGY_ORDER, r.get("strategy", "")),
-            r.get("config", ""))
+            r.get("order") if r.get("order") is not None else -1, r.get("config", ""))
 
 
 def _err(x: float | None) -> str:
@@ -69,19 +69,41 @@ def parity_markdown(records: Iterable[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _steps(r: dict[str, Any]) -> str:
+    times = " / ".join(f"{t * 1e3:.0f}" for t in r["step_times_s"][:3])
+    if r.get("memory_history"):
+        return f"{times} (memory history on)"
+    return times if r.get("alone") else f"{times} (GPU shared)"
+
+
 def memory_markdown(records: Iterable[dict[str, Any]]) -> str:
+    """Step times count only where the process was alone on the GPU; a run's number in the
+    order of the runs alone (``#1`` ran first on the machine's GPU) follows its configuration."""
     lines = ["| release | ranks | case | config | allocated (MiB) | max allocated (MiB) | over fusion off (MiB) "
              "| step 1 / 2 / 3 (ms) |", "|---|---|---|---|---|---|---|---|"]
     rows = sorted(records, key=sort_key)
-    off = {(r["release"], r["ranks"], r["case"]): r for r in rows if r["config"] == "fusion_off"}
+    off = {(r["release"], r["ranks"], r["case"]): r for r in rows
+           if r["config"] == "fusion_off" and "max_allocated_bytes" in r}
     for r in rows:
+        config = r["config"] + (f" #{r['order'] + 1}" if r.get("order") is not None else "")
+        head = f"| {r['release']} | {r['ranks']} | {r['case']} | {config} |"
+        if "max_allocated_bytes" not in r:
+            lines.append(f"{head} - | - | - | {r.get('error', 'no result')} |")
+            continue
         ref = off.get((r["release"], r["ranks"], r["case"]))
-        over = "-" if ref is None or r is ref else \
+        over = "-" if ref is None or r["config"] == "fusion_off" else \
             f"{(r['max_allocated_bytes'] - ref['max_allocated_bytes']) / MIB:+.1f}"
-        steps = " / ".join(f"{t * 1e3:.0f}" for t in r["step_times_s"][:3])
-        lines.append(f"| {r['release']} | {r['ranks']} | {r['case']} | {r['config']} | "
-                     f"{r['allocated_bytes'] / MIB:.1f} | {r['max_allocated_bytes'] / MIB:.1f} | {over} | {steps} |")
+        lines.append(f"{head} {r['allocated_bytes'] / MIB:.1f} | {r['max_allocated_bytes'] / MIB:.1f} | {over} | "
+                     f"{_steps(r)} |")
     return "\n".join(lines) + "\n"
+
+
+def record_key(r: dict[str, Any]) -> tuple:
+    """Records with the same key are one measurement: a newer one replaces an older."""
+    if r.get("kind") == "memory":
+        return ("memory", r["entry"], r["release"], r["ranks"], r["case"], r["config"], r.get("alone"),
+                r.get("order"), bool(r.get("memory_history")))
+    return ("parity", r["entry"], r["release"], r["ranks"], r["layout"], r["strategy"], r["config"])
 
 
 def markdown(records: list[dict[str, Any]]) -> str:

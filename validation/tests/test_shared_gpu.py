@@ -144,14 +144,30 @@ def test_plan_puts_the_fp64_oracle_first_and_expert_parallel_equal_to_ranks(tmp_
     assert parity.groups(["tied", "moe_ep", "tied_mtp"]) == [("dense", ["tied", "tied_mtp"]), ("ep", ["moe_ep"])]
 
 
-def test_memory_table_shows_the_difference_to_fusion_off():
+def test_memory_table_shows_the_difference_to_fusion_off_and_which_step_times_count():
     base = {"kind": "memory", "entry": "train_gpt_fsdp", "release": "0.17.1", "ranks": 2, "case": "c",
-            "allocated_bytes": 100 * table.MIB, "step_times_s": [1.5, 0.5, 0.4, 0.4]}
-    recs = [{**base, "config": "fusion_off", "max_allocated_bytes": 1000 * table.MIB},
-            {**base, "config": "patched", "max_allocated_bytes": 1125 * table.MIB}]
+            "allocated_bytes": 100 * table.MIB, "step_times_s": [1.5, 0.5, 0.4, 0.4], "alone": True}
+    recs = [{**base, "config": "fusion_off", "max_allocated_bytes": 1000 * table.MIB, "order": 0},
+            {**base, "config": "patched", "max_allocated_bytes": 1125 * table.MIB, "order": 1},
+            {**base, "config": "patched", "max_allocated_bytes": 1125 * table.MIB, "alone": False},
+            {**base, "config": "upstream", "error": "no result (rc=124)"}]
     md = table.memory_markdown(recs)
-    assert "| 0.17.1 | 2 | c | patched | 100.0 | 1125.0 | +125.0 | 1500 / 500 / 400 |" in md
-    assert "| 0.17.1 | 2 | c | fusion_off | 100.0 | 1000.0 | - |" in md
+    assert "| 0.17.1 | 2 | c | patched #2 | 100.0 | 1125.0 | +125.0 | 1500 / 500 / 400 |" in md
+    assert "| 0.17.1 | 2 | c | fusion_off #1 | 100.0 | 1000.0 | - |" in md
+    assert "| 0.17.1 | 2 | c | patched | 100.0 | 1125.0 | +125.0 | 1500 / 500 / 400 (GPU shared) |" in md
+    assert "| 0.17.1 | 2 | c | upstream | - | - | - | no result (rc=124) |" in md
+    assert len({table.record_key(r) for r in recs}) == 4
+
+
+def test_merge_replaces_the_same_measurement_and_writes_the_table(tmp_path):
+    rec = {"entry": "train_gpt_fsdp", "release": "0.17.1", "ranks": 2, "layout": "tied", "strategy": "optim",
+           "config": "patched", "max_rel_err_vs_off": 0.5, "passed": False, "bound": parity.BOUND}
+    results, new = tmp_path / "r.jsonl", tmp_path / "n.jsonl"
+    results.write_text(json.dumps(rec) + "\n")
+    new.write_text(json.dumps({**rec, "max_rel_err_vs_off": 1e-3, "passed": True}) + "\n")
+    parity.merge([new], results)
+    assert [r["passed"] for r in table.load(results)] == [True]
+    assert "| 0.17.1 | 2 | tied | optim | 1.0e-03 |" in results.with_suffix(".md").read_text()
 
 
 def test_committed_table_is_made_from_the_committed_records():

@@ -468,9 +468,11 @@ def train_one(run: dict[str, Any], untimed_steps: int, first_in_process: bool,
 
             loss = torch.stack([x["lm loss"] for x in losses]).mean()
             dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=dp_group)
-            peak = torch.tensor([max(peak_before_dump, torch.cuda.max_memory_allocated())], device="cuda",
-                                dtype=torch.float64)
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+            # The step's peak and what stays allocated after it (model, optimizer state, buffers).
+            mem = torch.tensor([max(peak_before_dump, torch.cuda.max_memory_allocated()),
+                                torch.cuda.memory_allocated()], device="cuda", dtype=torch.float64)
+            dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+            peak, allocated = mem
             record = {
                 "step": step,
                 "loss": float(loss),
@@ -478,6 +480,7 @@ def train_one(run: dict[str, Any], untimed_steps: int, first_in_process: bool,
                 "tokens_per_s": tokens_per_step / step_time,
                 "peak_mem_bytes": int(peak.item()),
                 "peak_mem_above_baseline_bytes": int(peak.item()) - mem_baseline,
+                "allocated_bytes": int(allocated.item()),
                 "peak_reserved_bytes": reserved,
                 "lr": lr,
                 "grad_norm": None if grad_norm is None else float(grad_norm),

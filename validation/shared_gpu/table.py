@@ -1,0 +1,136 @@
+"""The markdown tables of the many-rank records: one row per case.
+
+    python -m validation.shared_gpu.table [validation/results/many_ranks_h200.jsonl]
+
+writes the table beside the records (same name, ``.md``). Gradient parity records (``parity.py``)
+give one row per (release, ranks, layout, strategy); memory records (``memory.py``, ``kind:
+"memory"``) one row per (release, ranks, configuration). validation/tests/test_shared_gpu_table.py
+checks that the committed table is the one these records make.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "many_ranks_h200.jsonl"
+LAYOUT_ORDER = ("untied", "tied", "tied_mtp", "moe", "moe_ep")
+STRATEGY_ORDER = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+MIB = 2**20
+
+
+def load(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def _index(order: tuple[str, ...], value: str) -> int:
+    return order.index(value) if value in order else len(order)
+
+
+def sort_key(r: dict[str, Any]) -> tuple:
+    return (r.get("kind", "parity"), r["entry"], tuple(int(x) for x in r["release"].split(".")), r["ranks"],
+            _index(LAYOUT_ORDER, r.get("layout", "")), _index(STRATEGY_ORDER, r.get("strategy", "")),
+            r.get("order") if r.get("order") is not None else -1, r.get("config", ""))
+
+
+def _err(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1e}"
+
+
+def parity_verdict(patched: dict[str, Any] | None, upstream: dict[str, Any] | None) -> str:
+    """"pass" when gemm-patch is within the bound of fusion off, with "(upstream wrong)" where the
+    control is outside it; "FAIL" when gemm-patch is outside; "no result" when it did not run."""
+    if patched is None or patched.get("passed") is None:
+        return "no result"
+    if not patched["passed"]:
+        return "FAIL"
+    if upstream is not None and upstream.get("max_rel_err_vs_off") is not None \
+            and upstream["max_rel_err_vs_off"] > upstream["bound"]:
+        return "pass (upstream wrong)"
+    return "pass"
+
+
+def parity_markdown(records: Iterable[dict[str, Any]]) -> str:
+    cases: dict[tuple, dict[str, dict[str, Any]]] = {}
+    for r in sorted(records, key=sort_key):
+        cases.setdefault((r["entry"], r["release"], r["ranks"], r["layout"], r["strategy"]), {})[r["config"]] = r
+    lines = ["| release | ranks | case | strategy | gemm-patch vs off | upstream vs off | gemm-patch vs fp64 "
+             "| off vs fp64 | verdict |", "|---|---|---|---|---|---|---|---|---|"]
+    for (_, release, ranks, layout, strategy), by in cases.items():
+        patched, upstream, off = by.get("patched"), by.get("upstream"), by.get("fusion_off")
+        lines.append(f"| {release} | {ranks} | {layout} | {strategy} | "
+                     f"{_err((patched or {}).get('max_rel_err_vs_off'))} | "
+                     f"{_err((upstream or {}).get('max_rel_err_vs_off'))} | "
+                     f"{_err((patched or {}).get('max_rel_err_vs_fp64'))} | "
+                     f"{_err((off or {}).get('max_rel_err_vs_fp64'))} | {parity_verdict(patched, upstream)} |")
+    return "\n".join(lines) + "\n"
+
+
+def _steps(r: dict[str, Any]) -> str:
+    times = " / ".join(f"{t * 1e3:.0f}" for t in r["step_times_s"][:3])
+    if r.get("memory_history"):
+        return f"{times} (memory history on)"
+    return times if r.get("alone") else f"{times} (GPU shared)"
+
+
+def memory_markdown(records: Iterable[dict[str, Any]]) -> str:
+    """Step times count only where the process was alone on the GPU; a run's number in the
+    order of the runs alone (``#1`` ran first on the machine's GPU) follows its configuration."""
+    lines = ["| release | ranks | case | config | allocated (MiB) | max allocated (MiB) | over fusion off (MiB) "
+             "| step 1 / 2 / 3 (ms) |", "|---|---|---|---|---|---|---|---|"]
+    rows = sorted(records, key=sort_key)
+    off = {(r["release"], r["ranks"], r["case"]): r for r in rows
+           if r["config"] == "fusion_off" and "max_allocated_bytes" in r}
+    for r in rows:
+        config = r["config"] + (f" #{r['order'] + 1}" if r.get("order") is not None else "")
+        head = f"| {r['release']} | {r['ranks']} | {r['case']} | {config} |"
+        if "max_allocated_bytes" not in r:
+            lines.append(f"{head} - | - | - | {r.get('error', 'no result')} |")
+            continue
+        ref = off.get((r["release"], r["ranks"], r["case"]))
+        over = "-" if ref is None or r["config"] == "fusion_off" else \
+            f"{(r['max_allocated_bytes'] - ref['max_allocated_bytes']) / MIB:+.1f}"
+        lines.append(f"{head} {r['allocated_bytes'] / MIB:.1f} | {r['max_allocated_bytes'] / MIB:.1f} | {over} | "
+                     f"{_steps(r)} |")
+    return "\n".join(lines) + "\n"
+
+
+def record_key(r: dict[str, Any]) -> tuple:
+    """Records with the same key are one measurement: a newer one replaces an older."""
+    if r.get("kind") == "memory":
+        return ("memory", r["entry"], r["release"], r["ranks"], r["case"], r["config"], r.get("alone"),
+                r.get("order"), bool(r.get("memory_history")))
+    return ("parity", r["entry"], r["release"], r["ranks"], r["layout"], r["strategy"], r["config"])
+
+
+def markdown(records: list[dict[str, Any]]) -> str:
+    parity = [r for r in records if r.get("kind", "parity") == "parity"]
+    memory = [r for r in records if r.get("kind") == "memory"]
+    parts = ["# Many data-parallel ranks on one H200 (correctness only)", "",
+             "Generated by `python -m validation.shared_gpu.table` from "
+             "[many_ranks_h200.jsonl](many_ranks_h200.jsonl): max per-parameter relative error of step 1's "
+             "reduced gradient; pass = gemm-patch within 2^-7 of fusion off.", ""]
+    if parity:
+        parts += ["## Gradient parity", "", parity_markdown(parity)]
+    if memory:
+        parts += ["## Memory and first steps (each rank's own, max over ranks)", "", memory_markdown(memory)]
+    return "\n".join(parts)
+
+
+def write(results: Path = RESULTS) -> Path:
+    path = Path(results).with_suffix(".md")
+    path.write_text(markdown(load(results)))
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    print(write(Path(args[0]) if args else RESULTS))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""validation.shared_gpu: the launcher of several ranks on one GPU (real processes, a real gloo
+all-reduce on the CPU), the many-rank campaign's records and verdicts from real gradient dumps
+through the parity harness's comparison, and the committed table against its records."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from validation.shared_gpu import launch as launcher
+from validation.shared_gpu import parity, table
+
+torch = pytest.importorskip("torch")
+
+RANK_SCRIPT = """
+import json, os, sys
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+x = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(x)
+keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NCCL_HOSTID", "CUDA_VISIBLE_DEVICES", "NCCL_SOCKET_IFNAME")
+with open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}.json"), "w") as f:
+    json.dump({"sum": x.item(), **{k: os.environ.get(k) for k in keys}}, f)
+dist.destroy_process_group()
+"""
+
+
+def test_launch_starts_every_rank_on_gpu0_with_its_own_host_id(tmp_path):
+    rc = launcher.launch([sys.executable, "-c", RANK_SCRIPT, str(tmp_path)], 3, log_dir=tmp_path / "logs",
+                         timeout_s=120)
+    assert rc == 0, [p.read_text() for p in (tmp_path / "logs").glob("*.log")]
+    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
+    assert [s["sum"] for s in seen] == [6.0, 6.0, 6.0]  # 1 + 2 + 3: a real collective over 3 ranks
+    assert [s["RANK"] for s in seen] == ["0", "1", "2"]
+    assert {s["WORLD_SIZE"] for s in seen} == {"3"}
+    assert {s["LOCAL_RANK"] for s in seen} == {"0"} and {s["CUDA_VISIBLE_DEVICES"] for s in seen} == {"0"}
+    assert len({s["NCCL_HOSTID"] for s in seen}) == 3
+    assert {s["NCCL_SOCKET_IFNAME"] for s in seen} == {"lo"}
+
+
+def test_a_failing_rank_stops_the_others(tmp_path, monkeypatch):
+    monkeypatch.setattr(launcher, "GRACE_S", 0.5)
+    script = "import os, sys, time\nif os.environ['RANK'] == '1': sys.exit(3)\ntime.sleep(60)"
+    t0 = time.monotonic()
+    rc = launcher.launch([sys.executable, "-c", script], 2, log_dir=tmp_path, timeout_s=120)
+    assert rc == 3
+    assert time.monotonic() - t0 < 30
+
+
+def test_timeout_stops_every_rank(tmp_path):
+    rc = launcher.launch([sys.executable, "-c", "import time; time.sleep(60)"], 2, log_dir=tmp_path, timeout_s=1)
+    assert rc == 124
+
+
+def test_cli_refuses_a_missing_command_and_bad_rank_counts(capsys):
+    with pytest.raises(SystemExit):
+        launcher.main(["--ranks", "2"])
+    with pytest.raises(SystemExit):
+        launcher.main(["--ranks", "0", "--", "true"])
+    assert "at least 1" in capsys.readouterr().err
+
+
+def _save(path: Path, grads: dict[str, torch.Tensor]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"format": "gemm_patch.grad_dump/1", "grads": grads}, path)
+
+
+def _args(scratch: Path):
+    return parity.parse_args(["--out", str(scratch / "out"), "--scratch", str(scratch), "--layouts", "tied",
+                              "--strategies", "optim_grads"])
+
+
+def test_records_pass_fusion_off_parity_and_catch_a_lost_embedding_gradient(tmp_path):
+    """Dumps as the processes write them: gemm-patch within bf16 rounding of fusion off, the
+    upstream control without the tied embedding's lookup gradient (what megatron's hook drops)."""
+    gen = torch.Generator().manual_seed(0)
+    off = {"embedding.word_embeddings.weight": torch.randn(64, 16, generator=gen),
+           "decoder.layers.0.mlp.linear_fc1.weight": torch.randn(32, 16, generator=gen)}
+    lookup = 0.5 * torch.randn(64, 16, generator=gen)
+    fp64 = {k: v.double() for k, v in off.items()}
+    near = {k: v * (1 + 1e-3 * torch.randn(v.shape, generator=gen)) for k, v in off.items()}
+    lost = {**near, "embedding.word_embeddings.weight": off["embedding.word_embeddings.weight"] - lookup}
+    args = _args(tmp_path)
+    for config, grads in (("fusion_off", off), ("patched", near), ("upstream", lost)):
+        _save(parity.dump_file(tmp_path, "0.17.1", 2, config, "tied", "optim_grads"), grads)
+    _save(parity.dump_file(tmp_path, "0.17.1", 2, "fusion_off", "tied", "fp64"), fp64)
+    part = {"gpu": "NVIDIA H200", "versions": {"megatron_core": "0.17.1"}, "runs": []}
+    procs = {f"tied.{c}": {"rc": 0, "part": part} for c in parity.CONFIGS}
+
+    recs = parity.records(args, tmp_path, "0.17.1", 2, ["tied"], procs)
+
+    by = {r["config"]: r for r in recs}
+    assert by["patched"]["passed"] is True and by["patched"]["max_rel_err_vs_off"] < 1e-2
+    assert by["upstream"]["passed"] is False
+    assert by["upstream"]["worst_param_vs_off"] == "embedding.word_embeddings.weight"
+    assert by["fusion_off"]["max_rel_err_vs_fp64"] == 0.0 and by["fusion_off"]["passed"] is None
+    assert all(r["one_gpu"] and r["device"] == "NVIDIA H200" and r["ranks"] == 2 for r in recs)
+    assert set(parity.RECORD_KEYS) <= set(by["patched"])
+    assert "GEMM_PATCH_DISABLE" in by["upstream"]["control"]
+    assert table.parity_verdict(by["patched"], by["upstream"]) == "pass (upstream wrong)"
+    assert not list(tmp_path.rglob("*.pt"))  # compared, then deleted
+
+
+def test_records_fail_a_patched_run_that_lost_a_micro_batch_and_name_a_missing_dump(tmp_path):
+    gen = torch.Generator().manual_seed(1)
+    off = {"decoder.layers.0.mlp.linear_fc1.weight": torch.randn(32, 16, generator=gen)}
+    _save(parity.dump_file(tmp_path, "0.19.2", 4, "fusion_off", "tied", "optim_grads"), off)
+    _save(parity.dump_file(tmp_path, "0.19.2", 4, "patched", "tied", "optim_grads"),
+          {k: 0.75 * v for k, v in off.items()})  # 3 of 4 micro-batches
+    procs = {f"tied.{c}": {"rc": 1 if c == "upstream" else 0, "part": None} for c in parity.CONFIGS}
+
+    by = {r["config"]: r for r in parity.records(_args(tmp_path), tmp_path, "0.19.2", 4, ["tied"], procs)}
+
+    assert by["patched"]["passed"] is False
+    assert table.parity_verdict(by["patched"], by["upstream"]) == "FAIL"
+    assert by["upstream"]["passed"] is None and "rc=1" in by["upstream"]["error"]
+    assert by["upstream"]["control"].startswith("megatron's own fused path")
+    assert table.parity_verdict(None, None) == "no result"
+
+
+def test_upstream_control_keeps_only_what_megatron_needs_to_run_fused():
+    from gemm_patch.targets import REGISTRY
+
+    known = {t.name for t in REGISTRY}
+    env, rule, _ = parity.upstream_control("0.19.2")
+    left_out = set(env["GEMM_PATCH_DISABLE"].split(","))
+    assert rule is None and left_out <= known and known - left_out == {"apex-wgrad", "te-dummy-wgrad", "nemo-fsdp-gaf"}
+    env, rule, _ = parity.upstream_control("0.17.1")
+    left_out = set(env["GEMM_PATCH_DISABLE"].split(","))
+    assert rule == "overwrite" and left_out <= known and "fsdp-wgrad" not in left_out
+
+
+def test_plan_puts_the_fp64_oracle_first_and_expert_parallel_equal_to_ranks(tmp_path):
+    args = parity.parse_args(["--out", str(tmp_path), "--layouts", "tied_mtp,tied,moe_ep"])
+    runs = parity.plan(args, tmp_path, "0.17.1", 4, "fusion_off", ["tied"])
+    assert runs[0]["mode"] == "fp64" and [r["sharding"] for r in runs[1:]] == list(parity.STRATEGIES)
+    ep = parity.plan(args, tmp_path, "0.17.1", 4, "upstream", ["moe_ep"])
+    assert {r["ep"] for r in ep} == {4} and {r["wgrad_rule"] for r in ep} == {"overwrite"}
+    assert all(r["fusion"] == "on" and r["micro_batches"] == 4 and r["steps"] == 1 for r in ep)
+    assert parity.groups(["tied", "moe_ep", "tied_mtp"]) == [("dense", ["tied", "tied_mtp"]), ("ep", ["moe_ep"])]
+
+
+def test_memory_table_shows_the_difference_to_fusion_off_and_which_step_times_count():
+    base = {"kind": "memory", "entry": "train_gpt_fsdp", "release": "0.17.1", "ranks": 2, "case": "c",
+            "allocated_bytes": 100 * table.MIB, "step_times_s": [1.5, 0.5, 0.4, 0.4], "alone": True}
+    recs = [{**base, "config": "fusion_off", "max_allocated_bytes": 1000 * table.MIB, "order": 0},
+            {**base, "config": "patched", "max_allocated_bytes": 1125 * table.MIB, "order": 1},
+            {**base, "config": "patched", "max_allocated_bytes": 1125 * table.MIB, "alone": False},
+            {**base, "config": "upstream", "error": "no result (rc=124)"}]
+    md = table.memory_markdown(recs)
+    assert "| 0.17.1 | 2 | c | patched #2 | 100.0 | 1125.0 | +125.0 | 1500 / 500 / 400 |" in md
+    assert "| 0.17.1 | 2 | c | fusion_off #1 | 100.0 | 1000.0 | - |" in md
+    assert "| 0.17.1 | 2 | c | patched | 100.0 | 1125.0 | +125.0 | 1500 / 500 / 400 (GPU shared) |" in md
+    assert "| 0.17.1 | 2 | c | upstream | - | - | - | no result (rc=124) |" in md
+    assert len({table.record_key(r) for r in recs}) == 4
+
+
+def test_merge_replaces_the_same_measurement_and_writes_the_table(tmp_path):
+    rec = {"entry": "train_gpt_fsdp", "release": "0.17.1", "ranks": 2, "layout": "tied", "strategy": "optim",
+           "config": "patched", "max_rel_err_vs_off": 0.5, "passed": False, "bound": parity.BOUND}
+    results, new = tmp_path / "r.jsonl", tmp_path / "n.jsonl"
+    results.write_text(json.dumps(rec) + "\n")
+    new.write_text(json.dumps({**rec, "max_rel_err_vs_off": 1e-3, "passed": True}) + "\n")
+    parity.merge([new], results)
+    assert [r["passed"] for r in table.load(results)] == [True]
+    assert "| 0.17.1 | 2 | tied | optim | 1.0e-03 |" in results.with_suffix(".md").read_text()
+
+
+def test_committed_table_is_made_from_the_committed_records():
+    if not table.RESULTS.exists():
+        pytest.skip("no many-rank records committed yet")
+    assert table.RESULTS.with_suffix(".md").read_text() == table.markdown(table.load(table.RESULTS))

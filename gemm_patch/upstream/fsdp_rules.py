@@ -12,7 +12,7 @@ import logging
 import weakref
 from typing import Any
 
-from ..target import look_again
+from ..engine.target import look_again
 
 # Marks a weight megatron or Megatron-FSDP treats as used more than once: its .grad is added to
 # or kept (zero_out_wgrad, the hook skipping _is_shared), so it must not alias main_grad.

@@ -7,7 +7,7 @@ Importing this package never imports torch, Transformer Engine or megatron.
 
 from __future__ import annotations
 
-__version__ = "0.4.0"
+__version__ = "0.5.0"
 
 from .engine import patcher as _patcher  # noqa: E402
 from .engine.patcher import GemmPatchError, Status, apply, revert, status  # noqa: E402

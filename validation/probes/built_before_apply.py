@@ -11,10 +11,11 @@ ARGS are pretrain_gpt.py's (benchmarks/pretrain_gpt_bench.py --dry prints them f
 keep gradient-accumulation fusion on). The process imports gemm_patch first with
 ``GEMM_PATCH_DISABLE=fsdp-shared-grad``, so that apex's stand-in and fsdp-wgrad are in place while
 megatron validates its arguments and builds the layers (as with apex installed), and runs
-pretrain_gpt.py in this process with megatron's ``get_model`` wrapped. ``--order before`` (the
-default): when ``get_model`` returns (the MegatronFSDP built, its hooks registered), the variable
+pretrain_gpt.py in this process with megatron's ``setup_model_and_optimizer`` wrapped (it builds the
+model whether or not through ``get_model``). ``--order before`` (the
+default): when it returns (the MegatronFSDP built, its hooks registered), the variable
 is dropped and ``gemm_patch.revert()``, ``gemm_patch.apply()`` install fsdp-shared-grad after the
-model. ``--order after``: the same before ``get_model`` runs (the usual order, the reference).
+model. ``--order after``: the same before it runs (the usual order, the reference).
 
 Rank 0 prints ``built-before-apply: {json}`` with fsdp-shared-grad's state and reason right
 after that apply() and again when training ends. Expected with ``before``: ``bypassed`` and one
@@ -69,18 +70,18 @@ def main() -> None:
 
     training = importlib.import_module("megatron.training.training")  # after gemm_patch, as with apex
 
-    get_model = training.get_model
+    setup = training.setup_model_and_optimizer
 
-    def get_model_then_apply(*a, **kw):
+    def setup_then_apply(*a, **kw):
         if opts.order == "after":
             apply_everything()
-        model = get_model(*a, **kw)
+        built = setup(*a, **kw)
         if opts.order == "before":
             apply_everything()
-        report(f"after get_model ({opts.order})")
-        return model
+        report(f"after setup_model_and_optimizer ({opts.order})")
+        return built
 
-    training.get_model = get_model_then_apply
+    training.setup_model_and_optimizer = setup_then_apply
     sys.argv = ["pretrain_gpt.py", *args]
     runpy.run_path("pretrain_gpt.py", run_name="__main__")
     report("end of training")

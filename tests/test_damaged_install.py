@@ -36,7 +36,7 @@ print("PATCHED", getattr(backward, "_self_gemm_patch_target", None) is not None,
 def installed(wheel, tmp_path_factory):
     """A venv of this module's own with the wheel installed: (python, its releases.json)."""
     python = venv_with(wheel, tmp_path_factory.mktemp("damaged") / "venv")
-    return python, _site_packages(python) / "gemm_patch" / "releases.json"
+    return python, _site_packages(python) / "gemm_patch" / "engine" / "releases.json"
 
 
 @pytest.fixture(params=list(DAMAGE))

@@ -159,8 +159,8 @@ def test_device_script_runs_every_configuration_and_compares_against_fusion_off(
     for needed in ("source .devkit/setup.sh", "--target /tmp/gp/mc0153 .nemo273/mc/*.whl", "mcore 0.15.3",
                    "import megatron.core.inference.unified_memory", "--no-index --no-deps",
                    "env GEMM_PATCH_NEMO_FSDP_GAF=1 python3 -m gemm_patch run --",
-                   "validation/frameworks/nemo/nemo_step.py",
-                   '--grad-dump "$W/dumps/$name.pt"', "validation/parity/compare_grads.py --batch",
+                   "-m validation.frameworks.nemo.nemo_step",
+                   '--grad-dump "$W/dumps/$name.pt"', "-m validation.parity.compare_grads --batch",
                    'off_${r#*_}.pt', "MASTER_PORT=$((29500 + $2))"):
         assert needed in text, needed
     # one file comes back (the device returns at most 8)

@@ -272,7 +272,8 @@ def record(cell: tuple[str, bool, str], rnd: int, size_name: str, iters: int, co
 def compare_runs(a: argparse.Namespace, size: dict[str, int], iters: int, logs: Path) -> int:
     """``gemm-patch compare`` on pretrain_gpt.py for each (release, tied) of the plan, megatron's
     iteration line logged every iteration; its table in OUT's folder/compare_*.txt, its record in
-    compare_*.json. Returns the worst exit status (0 same, 1 differs, 2 unreadable)."""
+    compare_*.json. Returns the worst exit status (compare's: 0 same, 1 differs, 2 not proven or
+    unreadable, 3 not compared)."""
     worst, logs = 0, logs.resolve()  # the command runs in the release's folder
     for release, tied in dict.fromkeys((r, t) for r, t, _ in cells(a.plan)):
         name = f"compare_{a.size}_{release}_{'tied' if tied else 'untied'}"

@@ -98,10 +98,11 @@ def test_dtensor_gradients_are_gathered_whole(tmp_path):
     reduced gradient; every rank records the whole gradient's values."""
     env = megatron_env()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "--master-port", str(free_port()), str(ROOT / "tests" / "probes" / "dtensor_probe.py")],
+                           "--master-port", str(free_port()), str(ROOT / "tests" / "probes" / "dtensor_probe.py"),
+                           str(tmp_path)],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    lines = [json.loads(path.read_text()) for path in sorted(tmp_path.glob("rank*.json"))]
     assert sorted(line["local_rows"] for line in lines) == [3, 4]
     for line in lines:
         rec, expected = line["record"], line["expected"]

@@ -1,10 +1,13 @@
 """Run under torchrun (gloo, CPU): a module whose parameter is a DTensor sharded unevenly over the
-ranks, with a DTensor gradient, as Megatron-FSDP leaves them after ``finish_grad_sync``; prints one
-JSON line per rank: the gradient probe's record of it and the expected values of the whole gradient."""
+ranks, with a DTensor gradient, as Megatron-FSDP leaves them after ``finish_grad_sync``; writes one
+JSON file per rank into the folder given as its argument (ranks sharing one stdout pipe can cut each
+other's lines): the gradient probe's record of it and the expected values of the whole gradient."""
 
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -24,8 +27,9 @@ def main() -> None:
     module.weight.grad = distribute_tensor(whole, mesh, [Shard(0)])
     rec = grad_probe.record([module])
     expected = grad_probe.contribution(whole.reshape(-1), 0).tolist()
-    print(json.dumps({"rank": dist.get_rank(), "record": rec, "expected": expected,
-                      "local_rows": module.weight.grad.to_local().shape[0]}), flush=True)
+    rank = dist.get_rank()
+    Path(sys.argv[1], f"rank{rank}.json").write_text(json.dumps(
+        {"rank": rank, "record": rec, "expected": expected, "local_rows": module.weight.grad.to_local().shape[0]}))
     dist.destroy_process_group()
 
 

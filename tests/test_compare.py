@@ -362,3 +362,25 @@ def test_help_one_exit_status_table_and_what_each_subcommand_does():
         assert text.split("\n\n")[1].strip(), command  # a description of what it does
     assert "relative difference |on - off| / |off| of megatron's logged lm loss" in " ".join(
         help_of("compare").split())
+
+
+def test_a_parameter_the_probe_could_not_place_is_said_not_judged():
+    """A parameter one run's probe could not place (listed under not_recorded) is left to the global
+    values and named; the others are still judged, a lost one among them still differs."""
+    from gemm_patch.commands import compare_params
+
+    def rec(values, unplaced=()):
+        return {0: {"rank": 0, "parameters": {n: {"numel": 4, "norm": v, "projections": [v] * 8}
+                                              for n, v in values.items() if n not in unplaced},
+                    "not_recorded": {n: "a DTensor gradient placed as (_StridedShard(dim=0),)" for n in unplaced}}}
+
+    off = rec({"a": 1.0, "b": 2.0})
+    same = compare_params.judge_parameters(rec({"a": 1.0, "b": 2.0}, ["b"]), off, [])
+    assert same["judged"] and same["count"] == 1 and not same["differs"]
+    assert compare_params.unjudged(same) == ("; 1 parameter by the global values only "
+                                             "(b: a DTensor gradient placed as (_StridedShard(dim=0),))")
+    lost = compare_params.judge_parameters(rec({"a": 0.5, "b": 2.0}, ["b"]), off, [])
+    assert [r["parameter"] for r in lost["differs"]] == ["a"]
+    none = compare_params.judge_parameters(rec({"a": 1.0}, ["a"]), rec({"a": 1.0}), [])
+    assert not none["judged"] and none["why"].startswith("the probe could place no parameter (a: ")
+    assert compare_params.unjudged(compare_params.judge_parameters(rec({"a": 1.0}), rec({"a": 1.0}), [])) == ""

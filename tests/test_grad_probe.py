@@ -93,9 +93,10 @@ def test_projections_estimate_the_relative_difference():
         assert true / 3 < compare_params.rel(rec(g), rec(g_ref)) < 3 * true, scale
 
 
-def test_dtensor_gradients_are_gathered_whole(tmp_path):
-    """Megatron-FSDP's parameters after finish_grad_sync: DTensors, each rank one uneven shard of the
-    reduced gradient; every rank records the whole gradient's values."""
+def test_dtensor_gradients_are_counted_whole(tmp_path):
+    """Megatron-FSDP's parameters after finish_grad_sync: DTensors, each rank one block of rows of the
+    reduced gradient (uneven, one rank's empty, not where torch's own chunking puts them) or a
+    replicated one; every rank records the whole gradient's values."""
     env = megatron_env()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                            "--master-port", str(free_port()), str(ROOT / "tests" / "probes" / "dtensor_probe.py"),
@@ -103,13 +104,16 @@ def test_dtensor_gradients_are_gathered_whole(tmp_path):
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     lines = [json.loads(path.read_text()) for path in sorted(tmp_path.glob("rank*.json"))]
-    assert sorted(line["local_rows"] for line in lines) == [3, 4]
+    assert len(lines) == 2
+    rows = {name: sorted(line["local_rows"][name] for line in lines) for name in lines[0]["local_rows"]}
+    assert rows == {"even": [3, 4], "empty": [0, 7], "uneven": [2, 5], "rep": [7, 7]}
     for line in lines:
-        rec, expected = line["record"], line["expected"]
-        assert "error" not in rec and rec["without_gradient"] == []
-        got = rec["parameters"]["weight"]
-        assert got["norm"] == pytest.approx(math.sqrt(expected[0]), rel=1e-12)
-        assert got["projections"] == pytest.approx(expected[1:], rel=1e-12, abs=1e-12)
+        rec = line["record"]
+        assert "error" not in rec and rec["without_gradient"] == [] and rec["not_recorded"] == {}, rec
+        for name, expected in line["expected"].items():
+            got = rec["parameters"][name]
+            assert got["norm"] == pytest.approx(math.sqrt(expected[0]), rel=1e-12), name
+            assert got["projections"] == pytest.approx(expected[1:], rel=1e-12, abs=1e-12), name
 
 
 def test_two_ranks_under_torchrun_a_lost_parameter_is_named_with_its_rank(tmp_path):

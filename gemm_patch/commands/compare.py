@@ -328,7 +328,8 @@ def decide(runs: Sequence[Run], args: argparse.Namespace, off_args: Sequence[str
                 "summary": f"not proven: {missing}"}
     params = compare_params.judge_parameters(on.probe, off.probe, [r.probe for r in noise]) \
         if not args.no_probe else {"judged": False, "why": "--no-probe"}
-    per_parameter = "each parameter's gradient within max(2^-7, 3 x noise), " if params["judged"] else ""
+    per_parameter = (f"each parameter's gradient within max(2^-7, 3 x noise){compare_params.unjudged(params)}, "
+                     if params["judged"] else "")
     rule = (f"at iteration 1 {per_parameter}lm loss within "
             f"{args.loss_rtol:g} and grad norm within {args.grad_norm_rtol:g} (relative; +{GRAD_NORM_PRINTED:g} for "
             f"the printed grad norm); later iterations up to {args.judge_until} within the same or within "

@@ -41,7 +41,7 @@ def _problem(records: dict[int, dict[str, Any]], label: str) -> str | None:
     errors = [f"rank {r}: {rec['error']}" for r, rec in sorted(records.items()) if rec.get("error")]
     if errors:
         return f"the gradient probe failed in the {label} run ({errors[0]})"
-    if not any(rec.get("parameters") for rec in records.values()):
+    if not any(rec.get("parameters") or rec.get("not_recorded") for rec in records.values()):
         return f"the gradient probe saw no parameter with a gradient in the {label} run"
     return None
 
@@ -56,9 +56,13 @@ def judge_parameters(on: dict[int, dict[str, Any]], off: dict[int, dict[str, Any
     if sorted(on) != sorted(off):
         return {"judged": False, "why": f"the probe's records come from ranks {sorted(on)} in the fusion-on run "
                                         f"and {sorted(off)} in the fusion-off run"}
+    # a parameter the probe could not place on some rank (its placement, a local failure): judged by
+    # the global values only, and said so
+    unplaced = {n: why for records in (on, off) for rec in records.values()
+                for n, why in rec.get("not_recorded", {}).items()}
     rows = []
     for rank in sorted(on):
-        a, b = on[rank]["parameters"], off[rank]["parameters"]
+        a, b = ({n: v for n, v in rec[rank]["parameters"].items() if n not in unplaced} for rec in (on, off))
         if set(a) != set(b):
             only = sorted(set(a) ^ set(b))[:3]
             return {"judged": False, "why": f"rank {rank}: the runs' models have different parameters ({only})"}
@@ -70,9 +74,25 @@ def judge_parameters(on: dict[int, dict[str, Any]], off: dict[int, dict[str, Any
                          "norm": [a[name]["norm"], b[name]["norm"]], "rel": rel(a[name], b[name]),
                          "noise": drift if noise else None, "bound": bound})
     unseen = sorted({n for rec in on.values() for n in rec.get("without_gradient", [])})
+    if not rows:
+        return {"judged": False, "why": f"the probe could place no parameter ({_first(unplaced)})"}
     worst = max(rows, key=lambda r: (r["rel"] / r["bound"], r["numel"]))
     return {"judged": True, "count": len(rows), "worst": worst, "without_gradient": unseen,
-            "differs": [r for r in rows if r["rel"] > r["bound"]]}
+            "not_recorded": unplaced, "differs": [r for r in rows if r["rel"] > r["bound"]]}
+
+
+def _first(unplaced: dict[str, str]) -> str:
+    name = next(iter(sorted(unplaced)), None)
+    return f"{name}: {unplaced[name]}" if name else "none recorded"
+
+
+def unjudged(params: dict[str, Any]) -> str:
+    """What a judged result left to the global values ('' when nothing)."""
+    unplaced = params.get("not_recorded") or {}
+    if not params.get("judged") or not unplaced:
+        return ""
+    plural = "s" if len(unplaced) > 1 else ""
+    return f"; {len(unplaced)} parameter{plural} by the global values only ({_first(unplaced)})"
 
 
 def describe(row: dict[str, Any], ranks: int) -> str:

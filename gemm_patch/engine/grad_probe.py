@@ -19,9 +19,14 @@ bucket, each rank holds a valid shard of the bucket only: each rank adds up the 
 signed sums over the part of the parameter inside its shard, and a sum over the bucket's group
 combines them; a bucket reduced by all-reduce is counted on the group's first rank only. A gradient
 that is a DTensor (Megatron-FSDP's sharded parameters, after ``finish_grad_sync`` has attached the
-reduced shards) is gathered whole, one parameter at a time, with Megatron-FSDP's own helper for
-its uneven shards where it is there. Ranks of other groups (tensor, pipeline) record their own
-parameters; compare pairs records by rank.
+reduced shards) is counted the same way: each rank holds a block of rows of it (uneven, possibly
+none), whose place in the parameter follows from the other ranks' row counts (one all-gather per
+shard group for all parameters); a replicated one is counted on the mesh's first rank. Ranks of
+other groups (tensor, pipeline) record their own parameters; compare pairs records by rank.
+
+The collectives are the same on every rank whatever fails locally (a failed parameter takes part
+with zeros and is listed under ``not_recorded``): a probe that skipped one on one rank would hang
+the job.
 
 Read-only: nothing it does writes to a tensor of the model or changes an argument or a result;
 a failure is recorded (``error``) and the training goes on. Without the variable nothing is
@@ -113,34 +118,48 @@ def _bucket_of(chunk: Any, param: Any) -> tuple[Any, Any] | None:
     return None
 
 
-_UNEVEN_DTENSOR_MODULES = ("megatron_fsdp.uneven_dtensor",
-                           "megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor")
+def _dtensor_layout(grad: Any) -> tuple[Any, Any, int] | None:
+    """(shard group or None, local block, this rank's index in the group) of a DTensor gradient;
+    None where its placement is not one this probe can place (more than one mesh dimension, a
+    strided or non-row shard)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh, placements = grad.device_mesh, grad.placements
+    if mesh.ndim != 1 or len(placements) != 1:
+        return None
+    local = grad.to_local().detach()
+    group = mesh.get_group()
+    if isinstance(placements[0], Replicate):
+        return group, local.reshape(-1) if dist.get_rank(group) == 0 else local.reshape(-1)[:0], -1
+    if type(placements[0]) is Shard and placements[0].dim == 0:
+        return group, local, dist.get_rank(group)
+    return None
 
 
-def full_tensor(grad: Any) -> Any:
-    """The whole of a DTensor gradient on every rank (a collective: every rank calls it in turn)."""
-    import importlib
-
-    for name in _UNEVEN_DTENSOR_MODULES:
-        try:
-            gather = importlib.import_module(name).uneven_dtensor_to_full_tensor
-        except (ImportError, AttributeError):
-            continue
-        return gather(grad.detach())
-    return grad.detach().full_tensor()
-
-
-def _local_part(chunk: Any, param: Any, grad: Any) -> tuple[Any, int, Any, int]:
-    """(the part of grad this rank counts, its start in the parameter, the group to sum over or
-    None, this rank's index in it)."""
+def _place_row_blocks(blocks: list[tuple[int, Any, int]], group: Any, rank: int, device: Any) -> dict[int, int]:
+    """{row index: first element} of this rank's row blocks of sharded DTensors of one group (a
+    collective: every rank of ``group`` calls it with the same parameters in the same order)."""
+    import torch
     import torch.distributed as dist
 
-    if type(grad).__name__ == "DTensor":
-        return full_tensor(grad).reshape(-1), 0, None, 0
+    rows = torch.tensor([block.shape[0] if block.dim() else 0 for _, block, _ in blocks], dtype=torch.int64,
+                        device=device)
+    every = [torch.zeros_like(rows) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, rows, group=group)
+    before = torch.stack(every[:rank]).sum(0) if rank else torch.zeros_like(rows)
+    return {i: int(before[j]) * row_numel for j, (i, _, row_numel) in enumerate(blocks)}
+
+
+def _local_part(chunk: Any, param: Any, grad: Any) -> tuple[Any, int, Any]:
+    """(the part of a plain tensor gradient this rank counts, its start in the parameter, the group
+    to sum over or None)."""
+    import torch.distributed as dist
+
     flat = grad.detach().reshape(-1)
     found = _bucket_of(chunk, param)
     if found is None or not dist.is_initialized():
-        return flat, 0, None, 0
+        return flat, 0, None
     bucket, group = found
     if getattr(getattr(group, "ddp_config", None), "use_distributed_optimizer", False):
         comm = group.intra_distributed_optimizer_instance_group
@@ -149,10 +168,9 @@ def _local_part(chunk: Any, param: Any, grad: Any) -> tuple[Any, int, Any, int]:
         shard = data.numel() // size
         offset = (flat.data_ptr() - data.data_ptr()) // flat.element_size()
         lo, hi = max(0, rank * shard - offset), min(flat.numel(), (rank + 1) * shard - offset)
-        return flat[lo:max(lo, hi)], lo, comm, rank
+        return flat[lo:max(lo, hi)], lo, comm
     comm = getattr(bucket, "data_parallel_group", None) or group.data_parallel_group
-    rank = dist.get_rank(comm)
-    return (flat if rank == 0 else flat[:0]), 0, comm, rank
+    return (flat if dist.get_rank(comm) == 0 else flat[:0]), 0, comm
 
 
 def _named_parameters(chunks: Iterable[Any]) -> list[tuple[str, Any, Any]]:
@@ -177,39 +195,77 @@ def _gemm_patch_state() -> dict[str, Any]:
 
 
 def record(chunks: Iterable[Any]) -> dict[str, Any]:
-    """The probe's record of this rank (never raises: a failure is its ``error``)."""
+    """The probe's record of this rank (never raises: a failure is its ``error``, or a parameter's
+    entry under ``not_recorded``)."""
     import torch
     import torch.distributed as dist
 
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     out: dict[str, Any] = {"schema": 1, "rank": rank, "hook": f"{MODULE}.finalize_model_grads",
-                           "projections": PROJECTIONS, "parameters": {}, "without_gradient": []}
+                           "projections": PROJECTIONS, "parameters": {}, "without_gradient": [],
+                           "not_recorded": {}}
     try:
         out["gemm_patch"] = _gemm_patch_state()
-        rows, by_group = [], {}
+        # rows[i] = [name, numel, contribution]; by_group: id -> (group, [row indices]) for the sums;
+        # sharded: id -> (group, rank, [(row index, local block, elements per row)]) to be placed first
+        rows: list[list[Any]] = []
+        by_group: dict[int, tuple[Any, list[int]]] = {}
+        sharded: dict[int, tuple[Any, int, list[tuple[int, Any, int]]]] = {}
         for name, chunk, param in _named_parameters(chunks):
             grad = None if type(param).__name__ == "DTensor" else getattr(param, "main_grad", None)
             grad = param.grad if grad is None else grad
             if grad is None:
                 out["without_gradient"].append(name)
                 continue
-            part, start, comm, _ = _local_part(chunk, param, grad)
-            rows.append((name, param.numel(), contribution(part, start)))
+            if type(grad).__name__ == "DTensor":
+                layout = _dtensor_layout(grad)
+                if layout is None:  # the same on every rank: no collective is skipped
+                    out["not_recorded"][name] = f"a DTensor gradient placed as {grad.placements}"
+                    continue
+                comm, local, shard_rank = layout
+                rows.append([name, param.numel(), None])
+                if shard_rank >= 0:
+                    row_numel = grad.numel() // grad.shape[0] if grad.dim() and grad.shape[0] else 1
+                    sharded.setdefault(id(comm), (comm, shard_rank, []))[2].append(
+                        (len(rows) - 1, local, row_numel))
+                else:
+                    rows[-1][2] = _contribution_or_zeros(out, name, local, 0)
+            else:
+                part, start, comm = _local_part(chunk, param, grad)
+                rows.append([name, param.numel(), _contribution_or_zeros(out, name, part, start)])
             by_group.setdefault(id(comm), (comm, []))[1].append(len(rows) - 1)
+        for comm, shard_rank, blocks in sharded.values():
+            starts = _place_row_blocks(blocks, comm, shard_rank, blocks[0][1].device)
+            for i, block, _ in blocks:
+                rows[i][2] = _contribution_or_zeros(out, rows[i][0], block.reshape(-1), starts[i])
         for comm, indices in by_group.values():
             if comm is None:
                 continue
-            stacked = torch.stack([rows[i][2] for i in indices])
+            stacked = torch.stack([rows[i][2].to(rows[indices[0]][2].device) for i in indices])
             dist.all_reduce(stacked, group=comm)
             for j, i in enumerate(indices):
-                rows[i] = (rows[i][0], rows[i][1], stacked[j])
+                rows[i][2] = stacked[j]
         for name, numel, values in rows:
+            if name in out["not_recorded"]:
+                continue
             values = values.cpu().tolist()
             out["parameters"][name] = {"numel": numel, "norm": max(values[0], 0.0) ** 0.5,
                                        "projections": values[1:]}
     except Exception as exc:  # read-only and never fatal: the record says what went wrong
         out["error"] = f"{type(exc).__name__}: {exc}"
     return out
+
+
+def _contribution_or_zeros(out: dict[str, Any], name: str, flat: Any, start: int) -> Any:
+    """contribution(flat, start), or zeros with the parameter listed under ``not_recorded`` where
+    it fails on this rank (its sums still take part in the group's collective)."""
+    import torch
+
+    try:
+        return contribution(flat, start)
+    except Exception as exc:
+        out["not_recorded"][name] = f"{type(exc).__name__}: {exc}"
+        return torch.zeros(1 + PROJECTIONS, dtype=torch.float64, device=getattr(flat, "device", None))
 
 
 def write(folder: str, rec: dict[str, Any]) -> None:

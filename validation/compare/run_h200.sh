@@ -22,7 +22,8 @@
 # default validation/convergence/_kit/.devkit, else .devkit). Model and flags: those of
 # benchmarks/pretrain_gpt_bench.py --size hidden2048 (mock data, NullTokenizer), megatron's
 # iteration line every iteration.
-# Environment: REL (0.19.2), ITERS (10), KIT (/tmp/gp), DEVKIT, LIMIT (seconds per case, 540), PY (python3).
+# Environment: REL (0.19.2), ITERS (10), KIT (/tmp/gp), DEVKIT, LIMIT (seconds per case, 540), PY (python3),
+# PORT (29971; the 2-rank cases' rendezvous: give each of two scripts running at once its own).
 set -u
 OUT=${1:?usage: run_h200.sh OUT [CASE ...]}
 shift
@@ -33,6 +34,7 @@ ITERS=${ITERS:-10}
 KIT=${KIT:-/tmp/gp}
 PY=${PY:-python3}
 LIMIT=${LIMIT:-540}
+PORT=${PORT:-29971}
 DEVKIT=${DEVKIT:-$ROOT/validation/convergence/_kit/.devkit}
 [ -f "$DEVKIT/rank_on_gpu0.sh" ] || DEVKIT=$ROOT/.devkit
 UP=$ROOT/validation/convergence/_upstream/$REL
@@ -60,7 +62,7 @@ PY
 
 launcher() {  # 1 rank: torchrun; 2 ranks: both on GPU 0 through NCCL's socket transport
     if [ "$1" = 1 ]; then echo "$PY -m torch.distributed.run --standalone --nproc-per-node 1"
-    else echo "$PY -m torch.distributed.run --no-python --nproc-per-node $1 --master-port 29971 $DEVKIT/rank_on_gpu0.sh $PY"
+    else echo "$PY -m torch.distributed.run --no-python --nproc-per-node $1 --master-port $PORT $DEVKIT/rank_on_gpu0.sh $PY"
     fi
 }
 

@@ -93,10 +93,10 @@ def test_projections_estimate_the_relative_difference():
         assert true / 3 < compare_params.rel(rec(g), rec(g_ref)) < 3 * true, scale
 
 
-def test_dtensor_gradients_are_counted_whole(tmp_path):
+def test_dtensor_gradients_are_recorded_as_each_ranks_block(tmp_path):
     """Megatron-FSDP's parameters after finish_grad_sync: DTensors, each rank one block of rows of the
     reduced gradient (uneven, one rank's empty, not where torch's own chunking puts them) or a
-    replicated one; every rank records the whole gradient's values."""
+    replicated one; each rank records its own block, and the blocks make up the whole."""
     env = megatron_env()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                            "--master-port", str(free_port()), str(ROOT / "tests" / "probes" / "dtensor_probe.py"),
@@ -112,8 +112,13 @@ def test_dtensor_gradients_are_counted_whole(tmp_path):
         assert "error" not in rec and rec["without_gradient"] == [] and rec["not_recorded"] == {}, rec
         for name, expected in line["expected"].items():
             got = rec["parameters"][name]
-            assert got["norm"] == pytest.approx(math.sqrt(expected[0]), rel=1e-12), name
+            assert got["norm"] == pytest.approx(math.sqrt(expected[0]), rel=1e-12, abs=1e-12), name
             assert got["projections"] == pytest.approx(expected[1:], rel=1e-12, abs=1e-12), name
+            assert rec["blocks"][name] == {"rows": line["local_rows"][name[:-len(".weight")]], "of": 7}
+    for name, norm in lines[0]["whole_norms"].items():
+        blocks = [line["record"]["parameters"][name]["norm"] for line in lines]
+        whole = math.sqrt(sum(b * b for b in blocks)) if name != "rep.weight" else blocks[0]
+        assert whole == pytest.approx(norm, rel=1e-9), name
 
 
 def test_two_ranks_under_torchrun_a_lost_parameter_is_named_with_its_rank(tmp_path):

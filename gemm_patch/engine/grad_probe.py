@@ -18,15 +18,11 @@ pseudo-random sign of the element's index in the parameter. The gradient read is
 bucket, each rank holds a valid shard of the bucket only: each rank adds up the squares and the
 signed sums over the part of the parameter inside its shard, and a sum over the bucket's group
 combines them; a bucket reduced by all-reduce is counted on the group's first rank only. A gradient
-that is a DTensor (Megatron-FSDP's sharded parameters, after ``finish_grad_sync`` has attached the
-reduced shards) is counted the same way: each rank holds a block of rows of it (uneven, possibly
-none), whose place in the parameter follows from the other ranks' row counts (one all-gather per
-shard group for all parameters); a replicated one is counted on the mesh's first rank. Ranks of
-other groups (tensor, pipeline) record their own parameters; compare pairs records by rank.
-
-The collectives are the same on every rank whatever fails locally (a failed parameter takes part
-with zeros and is listed under ``not_recorded``): a probe that skipped one on one rank would hang
-the job.
+that is a DTensor (Megatron-FSDP's parameters, after ``finish_grad_sync`` has attached the reduced
+shards) is recorded as this rank's block of it (``blocks`` says how many of its rows): both of
+compare's runs shard alike, and compare pairs records by rank. No collective is made for it: one
+that ran on one rank and not on another (a failure, a gradient one rank lacks) would hang the job.
+Ranks of other groups (tensor, pipeline) record their own parameters.
 
 Read-only: nothing it does writes to a tensor of the model or changes an argument or a result;
 a failure is recorded (``error``) and the training goes on. Without the variable nothing is
@@ -118,39 +114,6 @@ def _bucket_of(chunk: Any, param: Any) -> tuple[Any, Any] | None:
     return None
 
 
-def _dtensor_layout(grad: Any) -> tuple[Any, Any, int] | None:
-    """(shard group or None, local block, this rank's index in the group) of a DTensor gradient;
-    None where its placement is not one this probe can place (more than one mesh dimension, a
-    strided or non-row shard)."""
-    import torch.distributed as dist
-    from torch.distributed.tensor import Replicate, Shard
-
-    mesh, placements = grad.device_mesh, grad.placements
-    if mesh.ndim != 1 or len(placements) != 1:
-        return None
-    local = grad.to_local().detach()
-    group = mesh.get_group()
-    if isinstance(placements[0], Replicate):
-        return group, local.reshape(-1) if dist.get_rank(group) == 0 else local.reshape(-1)[:0], -1
-    if type(placements[0]) is Shard and placements[0].dim == 0:
-        return group, local, dist.get_rank(group)
-    return None
-
-
-def _place_row_blocks(blocks: list[tuple[int, Any, int]], group: Any, rank: int, device: Any) -> dict[int, int]:
-    """{row index: first element} of this rank's row blocks of sharded DTensors of one group (a
-    collective: every rank of ``group`` calls it with the same parameters in the same order)."""
-    import torch
-    import torch.distributed as dist
-
-    rows = torch.tensor([block.shape[0] if block.dim() else 0 for _, block, _ in blocks], dtype=torch.int64,
-                        device=device)
-    every = [torch.zeros_like(rows) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(every, rows, group=group)
-    before = torch.stack(every[:rank]).sum(0) if rank else torch.zeros_like(rows)
-    return {i: int(before[j]) * row_numel for j, (i, _, row_numel) in enumerate(blocks)}
-
-
 def _local_part(chunk: Any, param: Any, grad: Any) -> tuple[Any, int, Any]:
     """(the part of a plain tensor gradient this rank counts, its start in the parameter, the group
     to sum over or None)."""
@@ -206,11 +169,9 @@ def record(chunks: Iterable[Any]) -> dict[str, Any]:
                            "not_recorded": {}}
     try:
         out["gemm_patch"] = _gemm_patch_state()
-        # rows[i] = [name, numel, contribution]; by_group: id -> (group, [row indices]) for the sums;
-        # sharded: id -> (group, rank, [(row index, local block, elements per row)]) to be placed first
+        # rows[i] = [name, numel, contribution]; by_group: id -> (group, [row indices]) for the sums
         rows: list[list[Any]] = []
         by_group: dict[int, tuple[Any, list[int]]] = {}
-        sharded: dict[int, tuple[Any, int, list[tuple[int, Any, int]]]] = {}
         for name, chunk, param in _named_parameters(chunks):
             grad = None if type(param).__name__ == "DTensor" else getattr(param, "main_grad", None)
             grad = param.grad if grad is None else grad
@@ -218,26 +179,14 @@ def record(chunks: Iterable[Any]) -> dict[str, Any]:
                 out["without_gradient"].append(name)
                 continue
             if type(grad).__name__ == "DTensor":
-                layout = _dtensor_layout(grad)
-                if layout is None:  # the same on every rank: no collective is skipped
-                    out["not_recorded"][name] = f"a DTensor gradient placed as {grad.placements}"
-                    continue
-                comm, local, shard_rank = layout
-                rows.append([name, param.numel(), None])
-                if shard_rank >= 0:
-                    row_numel = grad.numel() // grad.shape[0] if grad.dim() and grad.shape[0] else 1
-                    sharded.setdefault(id(comm), (comm, shard_rank, []))[2].append(
-                        (len(rows) - 1, local, row_numel))
-                else:
-                    rows[-1][2] = _contribution_or_zeros(out, name, local, 0)
-            else:
-                part, start, comm = _local_part(chunk, param, grad)
-                rows.append([name, param.numel(), _contribution_or_zeros(out, name, part, start)])
+                local = grad.to_local().detach()
+                out.setdefault("blocks", {})[name] = {"rows": local.shape[0] if local.dim() else 1,
+                                                      "of": grad.shape[0] if grad.dim() else 1}
+                rows.append([name, local.numel(), _contribution_or_zeros(out, name, local.reshape(-1), 0)])
+                continue
+            part, start, comm = _local_part(chunk, param, grad)
+            rows.append([name, param.numel(), _contribution_or_zeros(out, name, part, start)])
             by_group.setdefault(id(comm), (comm, []))[1].append(len(rows) - 1)
-        for comm, shard_rank, blocks in sharded.values():
-            starts = _place_row_blocks(blocks, comm, shard_rank, blocks[0][1].device)
-            for i, block, _ in blocks:
-                rows[i][2] = _contribution_or_zeros(out, rows[i][0], block.reshape(-1), starts[i])
         for comm, indices in by_group.values():
             if comm is None:
                 continue

@@ -2,7 +2,7 @@
 ranks, with a DTensor gradient, as Megatron-FSDP leaves them after ``finish_grad_sync`` (torch's even
 chunks; Megatron-FSDP's own blocks of rows, one rank's possibly empty; a replicated one); writes one
 JSON file per rank into the folder given as its argument (ranks sharing one stdout pipe can cut each
-other's lines): the gradient probe's record of it and the expected values of the whole gradient."""
+other's lines): the gradient probe's record of it, the expected values of this rank's block and the whole's norms."""
 
 from __future__ import annotations
 
@@ -40,9 +40,11 @@ def main() -> None:
             module.weight = torch.nn.Parameter(distribute_tensor(torch.zeros(7, 5), mesh, placement))
             module.weight.grad = distribute_tensor(g, mesh, placement)
     rec = grad_probe.record([modules])
-    expected = {f"{name}.weight": grad_probe.contribution(g.reshape(-1), 0).tolist() for name, g in whole.items()}
+    expected = {f"{name}.weight": grad_probe.contribution(modules[name].weight.grad.to_local().reshape(-1), 0).tolist()
+                for name in whole}
+    whole_norms = {f"{name}.weight": g.double().norm().item() for name, g in whole.items()}
     Path(sys.argv[1], f"rank{rank}.json").write_text(json.dumps(
-        {"rank": rank, "ranks": ranks, "record": rec, "expected": expected,
+        {"rank": rank, "ranks": ranks, "record": rec, "expected": expected, "whole_norms": whole_norms,
          "local_rows": {n: modules[n].weight.grad.to_local().shape[0] for n in whole}}))
     dist.destroy_process_group()
 

@@ -120,7 +120,7 @@ def plan(args: argparse.Namespace, scratch: Path, release: str, ranks: int, conf
 def process_env(args: argparse.Namespace, release: str, config: str) -> dict[str, str]:
     """The environment of one configuration's ranks: megatron-core ``release`` and the kit first
     on PYTHONPATH, gemm_patch's start-up hook for the fused configurations."""
-    from gemm_patch.launcher import launch_env
+    from gemm_patch.commands.launcher import launch_env
 
     mc = str(Path(args.mcore_root) / f"mc{release.replace('.', '')}")
     site = str(Path(args.mcore_root) / "site")

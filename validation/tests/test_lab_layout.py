@@ -85,3 +85,27 @@ def test_raw_log_archives_stay_under_budget():
     assert archives and total <= LOG_ARCHIVE_BUDGET, (
         f"{total} bytes of log archives over {LOG_ARCHIVE_BUDGET}: "
         + ", ".join(f"{p.relative_to(ROOT)} {p.stat().st_size}" for p in archives))
+
+
+def test_every_gemm_patch_name_the_lab_imports_exists():
+    """A module of gemm_patch the lab imports (a function's own import too, which runs only on the GPU
+    machine) exists, with the names taken from it: a package move leaves no stale import behind."""
+    import importlib
+
+    def exists(module: str, name: str | None = None) -> bool:
+        try:
+            found = importlib.import_module(module)
+            return name is None or hasattr(found, name) or bool(importlib.import_module(f"{module}.{name}"))
+        except ImportError:
+            return False
+
+    wanted = []
+    for path in lab_files():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                wanted += [(path, node.module, alias.name) for alias in node.names]
+            elif isinstance(node, ast.Import):
+                wanted += [(path, alias.name, None) for alias in node.names]
+    missing = [f"{path.relative_to(ROOT)}: {module}{'.' + name if name else ''}" for path, module, name in wanted
+               if module.split(".")[0] == "gemm_patch" and not exists(module, name)]
+    assert not missing, missing

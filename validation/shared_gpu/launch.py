@@ -44,7 +44,7 @@ def rank_env(base: Mapping[str, str], rank: int, ranks: int, port: int, gpu: str
 def _stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         try:
-            os.killpg(proc.pid, signal.SIGKILL)  # the rank and whatever it started: its own session
+            os.killpg(proc.pid, signal.SIGKILL)  # the rank and whatever it started: its own process group
         except ProcessLookupError:
             pass
         proc.wait()

@@ -284,7 +284,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--mcore-root", default="/tmp/gp", help="the GPU kit's install root (mcXXYY per release)")
     p.add_argument("--scratch", default="/tmp/shared_gpu_parity")
-    p.add_argument("--max-ranks", type=int, default=16, help="ranks on the GPU at a time (all processes)")
+    p.add_argument("--max-ranks", type=int, default=12,
+                   help="ranks on the GPU at a time, all processes (each rank's NCCL socket transport busy-waits on a "
+                        "core: with far more ranks than cores no process finishes)")
     p.add_argument("--proc-limit", type=float, default=240, help="seconds one process may run")
     p.add_argument("--deadline", type=float, default=480, help="seconds after which no (release, ranks) starts")
     args = p.parse_args(argv)

@@ -166,7 +166,7 @@ def record(chunks: Iterable[Any]) -> dict[str, Any]:
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     out: dict[str, Any] = {"schema": 1, "rank": rank, "hook": f"{MODULE}.finalize_model_grads",
                            "projections": PROJECTIONS, "parameters": {}, "without_gradient": [],
-                           "not_recorded": {}}
+                           "not_recorded": {}, "blocks": {}}
     try:
         out["gemm_patch"] = _gemm_patch_state()
         # rows[i] = [name, numel, contribution]; by_group: id -> (group, [row indices]) for the sums
@@ -180,8 +180,8 @@ def record(chunks: Iterable[Any]) -> dict[str, Any]:
                 continue
             if type(grad).__name__ == "DTensor":
                 local = grad.to_local().detach()
-                out.setdefault("blocks", {})[name] = {"rows": local.shape[0] if local.dim() else 1,
-                                                      "of": grad.shape[0] if grad.dim() else 1}
+                out["blocks"][name] = {"rows": local.shape[0] if local.dim() else 1,
+                                       "of": grad.shape[0] if grad.dim() else 1}
                 rows.append([name, local.numel(), _contribution_or_zeros(out, name, local.reshape(-1), 0)])
                 continue
             part, start, comm = _local_part(chunk, param, grad)
@@ -190,7 +190,7 @@ def record(chunks: Iterable[Any]) -> dict[str, Any]:
         for comm, indices in by_group.values():
             if comm is None:
                 continue
-            stacked = torch.stack([rows[i][2].to(rows[indices[0]][2].device) for i in indices])
+            stacked = torch.stack([rows[i][2] for i in indices])
             dist.all_reduce(stacked, group=comm)
             for j, i in enumerate(indices):
                 rows[i][2] = stacked[j]

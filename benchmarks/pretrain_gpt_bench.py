@@ -15,8 +15,9 @@ micro-batch 1, global batch 4 (4 micro-batches), vocabulary 128256; ``hidden2048
 FFN 8192, 16 heads, sequence 2048, micro-batch 2, global batch 8, vocabulary 384 (the byte
 vocabulary of validation/convergence's speed mode, padded). Megatron-FSDP ``optim_grads_params``,
 fp32 main grads, bf16, TE layers, mock data (``--mock-data``), NullTokenizer (``--vocab-size`` is
-the vocabulary minus one on 0.17.x, which adds the end-of-document id, and the vocabulary on
-0.19.x), no evaluation, ``--log-interval 5``. Megatron prints its memory report after iteration 1
+the vocabulary minus one on 0.15-0.17.x, which adds the end-of-document id, and the vocabulary on
+0.19.x; on 0.14-0.15 at least 4095, as their mock data's token ids reach 4095), no evaluation,
+``--log-interval 5`` (``--log-interval N``). Megatron prints its memory report after iteration 1
 and the next logged one (``report_memory_flag`` in training.py's ``training_log``) and, with
 ``--log-memory-interval N``, every N iterations: the runs pass N = ``--iters``, so the last report
 is after the last iteration (allocated: what lives between steps; max allocated: the peak).
@@ -95,6 +96,7 @@ PLANS = {
 }
 PLANS["full"] = [cell for name in ("core", "untied", "fixes", "release-0.17.1") for cell in PLANS[name]]
 LOG_INTERVAL = 5
+OLD_MOCK_IDS = 4096  # 0.14-0.15's mock data: token ids below this, whatever the vocabulary
 LAUNCHER = "{python} -m torch.distributed.run --standalone --nproc-per-node 1"
 GIB = 1024.0
 
@@ -127,8 +129,15 @@ def schedule(plan_cells: list[tuple[str, bool, str]], rounds: int,
 
 
 def pretrain_args(release: str, size: dict[str, int], tied: bool, iters: int,
-                  manual_gc: int | None = None) -> list[str]:
+                  manual_gc: int | None = None, log_interval: int = LOG_INTERVAL) -> list[str]:
     vocab = size["vocab"] - 1 if release.startswith(("0.15.", "0.16.", "0.17.")) else size["vocab"]
+    # 0.14-0.15 have neither flag: their Megatron-FSDP takes fp32 main grads from --main-grads-dtype
+    # (bf16 then accumulates and reduces in fp32), and megatron prints memory after iteration 1 only.
+    old = release.startswith(("0.14.", "0.15."))
+    if old:  # their mock documents are the ids 1..length-1 (up to 4095), not taken modulo the vocabulary
+        vocab = max(vocab, OLD_MOCK_IDS - 1)
+    main_grads = ["--main-grads-dtype", "fp32"] if old else ["--megatron-fsdp-main-grads-dtype", "fp32"]
+    memory = [] if old else ["--log-memory-interval", iters]
     args = [
         "--num-layers", size["layers"], "--hidden-size", size["hidden"], "--num-attention-heads", size["heads"],
         "--ffn-hidden-size", size["ffn"], "--seq-length", size["seq"], "--max-position-embeddings", size["seq"],
@@ -137,10 +146,10 @@ def pretrain_args(release: str, size: dict[str, int], tied: bool, iters: int,
         "--weight-decay", "0.1", "--clip-grad", "1.0", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
         "--init-method-std", "0.02", "--bf16", "--transformer-impl", "transformer_engine",
         "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
-        "--megatron-fsdp-main-grads-dtype", "fp32", "--use-distributed-optimizer", "--ckpt-format", "fsdp_dtensor",
+        *main_grads, "--use-distributed-optimizer", "--ckpt-format", "fsdp_dtensor",
         "--tokenizer-type", "NullTokenizer", "--vocab-size", vocab, "--make-vocab-size-divisible-by", "128",
         "--mock-data", "--num-workers", "1", "--eval-iters", "0", "--eval-interval", 100 * iters,
-        "--log-interval", LOG_INTERVAL, "--log-memory-interval", iters,
+        "--log-interval", log_interval, *memory,
         "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1", "--seed", "1234",
     ]
     if manual_gc is not None:
@@ -175,7 +184,7 @@ def process(cell: tuple[str, bool, str], size: dict[str, int], iters: int, opts:
     launcher = shlex.split(opts.launcher.format(python=opts.python))
     pin = ["taskset", "-c", opts.cpus] if opts.cpus else []
     command = [*pin, opts.python, "-m", "gemm_patch", "run", "--", *launcher, "pretrain_gpt.py",
-               *pretrain_args(release, size, tied, iters, opts.manual_gc), *CONFIGS[config]["args"],
+               *pretrain_args(release, size, tied, iters, opts.manual_gc, opts.log_interval), *CONFIGS[config]["args"],
                *profile_args(opts.profile, profile_dir)]
     return command, dict(CONFIGS[config]["env"]), Path(opts.upstream) / release
 
@@ -380,7 +389,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="number of the first round (to add rounds to an existing records file)")
     p.add_argument("--size", choices=tuple(SIZES), default="hidden4096")
     p.add_argument("--iters", type=int, help="training iterations per process (default: 30 at hidden 4096, "
-                   "100 at hidden 2048); a multiple of 5, the log interval")
+                   "100 at hidden 2048); a multiple of the log interval")
+    p.add_argument("--log-interval", type=int, default=LOG_INTERVAL,
+                   help=f"megatron's --log-interval (default {LOG_INTERVAL}; 1 logs every iteration's time)")
     p.add_argument("--manual-gc", type=int, metavar="N", help="megatron's --manual-gc --manual-gc-interval N "
                    "(default: Python's automatic collector, megatron's default)")
     p.add_argument("--cpus", metavar="LIST", help="run each process under taskset -c LIST (e.g. 0-7)")
@@ -406,8 +417,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     size = SIZES[a.size]
     iters = a.iters or size["iters"]
-    if iters % LOG_INTERVAL:
-        p.error(f"--iters {iters}: must be a multiple of {LOG_INTERVAL} (megatron requires "
+    if a.log_interval < 1:
+        p.error(f"--log-interval {a.log_interval}: must be at least 1")
+    if iters % a.log_interval:
+        p.error(f"--iters {iters}: must be a multiple of --log-interval {a.log_interval} (megatron requires "
                 "--log-memory-interval to be a multiple of --log-interval)")
     if a.profile and a.profile[1] > iters:
         p.error(f"--profile {a.profile[0]}:{a.profile[1]}: END must be at most --iters ({iters})")

@@ -56,6 +56,29 @@ def test_dry_prints_each_command(capsys):
     assert "--micro-batch-size 2 --global-batch-size 8 --train-iters 100 " in h2048 and "--vocab-size 384 " in h2048
 
 
+
+def test_every_iteration_logged_and_checked_against_iters(capsys):
+    assert bench.main(["--dry", "--size", "hidden2048", "--plan", "core", "--rounds", "1", "--iters", "6",
+                       "--log-interval", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "--train-iters 6 " in out and "--log-interval 1 --log-memory-interval 6 " in out
+    with pytest.raises(SystemExit):
+        bench.main(["--dry", "--size", "hidden2048", "--plan", "core", "--iters", "6"])  # 6 is no multiple of 5
+    assert "multiple of --log-interval 5" in capsys.readouterr().err
+
+
+def test_flags_of_releases_without_megatron_fsdp_main_grads_dtype():
+    """0.14-0.15 reject --megatron-fsdp-main-grads-dtype and --log-memory-interval (argparse exits);
+    their fp32 main grads come from --main-grads-dtype."""
+    size = bench.SIZES["hidden2048"]
+    old = bench.pretrain_args("0.15.3", size, True, 6)
+    assert "--megatron-fsdp-main-grads-dtype" not in old and "--log-memory-interval" not in old
+    assert old[old.index("--main-grads-dtype") + 1] == "fp32"
+    assert old[old.index("--vocab-size") + 1] == "4095"  # its mock token ids reach 4095; the EOD id is added
+    new = bench.pretrain_args("0.17.1", size, True, 6)
+    assert new[new.index("--megatron-fsdp-main-grads-dtype") + 1] == "fp32" and "--main-grads-dtype" not in new
+    assert new[new.index("--log-memory-interval") + 1] == "6"
+
 @pytest.fixture
 def upstream(tmp_path, monkeypatch):
     for release in bench.RELEASES:

@@ -6,13 +6,17 @@
 #
 #     bash validation/compare/run_h200.sh OUT [CASE ...]
 #
-# Cases (default: all, in this order; about 3-6 minutes each: run a few per call):
+# Cases (default: dense_tied_1 dense_tied_2 fixes_off_1 fixes_off_2 moe_1; about 3-6 minutes each: a few per call):
 #   dense_tied_1    hidden 2048, 4 layers, tied embedding, Megatron-FSDP optim_grads_params, 1 rank: same
 #   dense_tied_2    the same on 2 data-parallel ranks sharing the one GPU (rank_on_gpu0.sh): same
 #   fixes_off_1     dense_tied_1 with gemm-patch's correctness fixes off (GEMM_PATCH_SHARED_GRAD=0
 #                   GEMM_PATCH_TE_OVERWRITE=0: upstream's fused behaviour): differs at iteration 1,
 #                   naming the parameter (the tied embedding)
 #   fixes_off_2     the same on 2 ranks
+#   tied_mtp_N      dense_tied_N with one MTP layer (rope): the tied output layer is used twice per
+#                   backward, into a fresh gradient bucket at 2 ranks: same (REL=0.15.3 too)
+#   tied_mtp_fixes_off_N   the same with the correctness fixes off: differs (exit 1): at iteration 1, or,
+#                   on 0.14-0.15, the fused run fails with megatron's own error (its hook freed the bucket)
 #   moe_1           4 experts, top-2, grouped GEMM, Megatron-FSDP optim_grads, untied, 1 rank: not "differs"
 #                   (the router is not run-to-run deterministic; compare measures that drift)
 #
@@ -52,6 +56,8 @@ from benchmarks import pretrain_gpt_bench as bench  # ROOT is on PYTHONPATH
 release, iters, kind = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 bench.prepare_kit(release, os.environ["KIT"])  # the no-op Makefile megatron's initialize wants
 args = bench.pretrain_args(release, bench.SIZES["hidden2048"], kind != "moe", iters) + ["--log-interval", "1"]
+if kind == "mtp":  # the tied output layer used twice per backward: the main model and the MTP layer
+    args += ["--mtp-num-layers", "1", "--position-embedding-type", "rope"]
 if kind == "moe":
     args[args.index("optim_grads_params")] = "optim_grads"
     args += ["--num-experts", "4", "--moe-router-topk", "2", "--moe-grouped-gemm", "--moe-ffn-hidden-size", "2048",
@@ -70,9 +76,11 @@ for case in $CASES; do
     ranks=${case##*_}
     case $case in
         dense_tied_*) kind=dense; env=(); expect="same:" ;;  # judged per parameter, not "global values only"
+        tied_mtp_fixes_off_*) kind=mtp; env=(GEMM_PATCH_SHARED_GRAD=0 GEMM_PATCH_TE_OVERWRITE=0); expect="differs" ;;
+        tied_mtp_*) kind=mtp; env=(); expect="same:" ;;
         fixes_off_*) kind=dense; env=(GEMM_PATCH_SHARED_GRAD=0 GEMM_PATCH_TE_OVERWRITE=0); expect="differs at iteration 1: parameter" ;;
         moe_*) kind=moe; env=(); expect="not differs" ;;
-        *) echo "run_h200.sh: unknown case $case (dense_tied_N, fixes_off_N, moe_1)"; exit 2 ;;
+        *) echo "run_h200.sh: unknown case $case (dense_tied_N, fixes_off_N, tied_mtp_N, tied_mtp_fixes_off_N, moe_1)"; exit 2 ;;
     esac
     read -r -a args <<< "$(model_args $kind)"
     [ "${#args[@]}" -gt 10 ] || { echo "run_h200.sh: could not build pretrain_gpt.py's flags"; exit 2; }
@@ -87,6 +95,7 @@ for case in $CASES; do
     verdict=$(grep -m1 '^verdict: ' "$OUT/$case.txt" | cut -c10-)
     case $expect in
         "not differs") [ "$rc" != 1 ] && ok=as-expected || ok=NOT-AS-EXPECTED ;;
+        differs) [ "$rc" = 1 ] && ok=as-expected || ok=NOT-AS-EXPECTED ;;  # a parameter, or the fused run failed
         *) [[ "$verdict" == "$expect"* ]] && ok=as-expected || ok=NOT-AS-EXPECTED ;;
     esac
     echo "$case | exit $rc | $ok (expected: $expect) | $verdict" | tee -a "$OUT/summary.txt"

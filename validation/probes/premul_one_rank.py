@@ -40,10 +40,10 @@ def reduce(case: str, group, ranks: int, rank: int) -> float:
 def main() -> int:
     dist.init_process_group("nccl")
     rank = dist.get_rank()
-    torch.cuda.set_device(rank)
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))  # 0 for every rank sharing one GPU
     own = [dist.new_group([i]) for i in range(dist.get_world_size())][rank]
     result = {"torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version()))}
-    for name, group, ranks in (("one_rank", own, 1), ("two_rank", dist.group.WORLD, dist.get_world_size())):
+    for name, group, ranks in (("one_rank", own, 1), ("all_ranks", dist.group.WORLD, dist.get_world_size())):
         for case in ("rs_inplace", "rs_out_of_place", "allreduce"):
             result[f"{name}.{case}"] = {"got": reduce(case, group, ranks, rank), "expected": 0.5 * 2.0 * ranks}
     if rank == 0:

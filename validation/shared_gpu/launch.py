@@ -35,6 +35,9 @@ def rank_env(base: Mapping[str, str], rank: int, ranks: int, port: int, gpu: str
     """The environment of one rank: ``base`` plus what makes it rank ``rank`` of ``ranks`` on GPU ``gpu``."""
     env = dict(base)
     env.update(NCCL_ENV)
+    # torchrun's default for several processes on one host: each rank's intra-op pool would
+    # otherwise take every core, and the ranks already outnumber the cores.
+    env.setdefault("OMP_NUM_THREADS", "1")
     env.update(RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), CUDA_VISIBLE_DEVICES=gpu,
                NCCL_HOSTID=f"shared-gpu-rank-{rank}", PYTHONUNBUFFERED="1")

@@ -30,7 +30,11 @@ and rewrites its table (``validation.shared_gpu.table``).
 
 The rule is the parity campaigns' (validation/README.md, "Rules the comparisons use"): per
 parameter rel = ||g - g_ref|| / ||g_ref||, ``passed`` when the largest rel <= 2^-7 (fusion off
-is bitwise repeatable here, so no noise term is added).
+is bitwise repeatable here, so no noise term is added). The reference is fusion off under the
+same strategy, itself checked against fusion off under ``no_shard`` (``reference_of``): with
+expert parallelism equal to data parallelism, fusion off under a sharded strategy is wrong
+(experts N x at N ranks), and the record is then judged against fusion off under ``no_shard``
+and says so (``reference``). A run that agrees with a wrong fusion off fails.
 """
 
 from __future__ import annotations
@@ -75,7 +79,8 @@ NATIVE_FUSED_FP32 = ("0.19.",)  # releases whose own fused path writes fp32 main
 # There: everything but apex's stand-in (megatron refuses fusion without apex) and te-dummy-wgrad.
 NATIVE_LEFT_OUT = (*FIXES, "fsdp-wgrad", "fsdp-wgrad-gemm")
 RECORD_KEYS = ("entry", "release", "ranks", "layout", "strategy", "tied", "mtp", "moe", "ep", "config",
-               "max_rel_err_vs_off", "worst_param_vs_off", "max_rel_err_vs_fp64", "passed", "bound", "control",
+               "max_rel_err_vs_off", "worst_param_vs_off", "reference", "max_rel_err_vs_reference",
+               "max_rel_err_vs_off_no_shard", "max_rel_err_vs_fp64", "passed", "bound", "control",
                "error", "megatron_core", "transformer_engine", "device", "one_gpu")
 
 
@@ -145,13 +150,43 @@ def run_process(args: argparse.Namespace, scratch: Path, release: str, ranks: in
     cmd = [sys.executable, str(SCRIPT), "--plan", str(plan_file), "--out", str(out)]
     t0 = time.time()
     rc = launch(cmd, ranks, env=process_env(args, release, config), cwd=str(scratch),
-                log_dir=scratch / "logs" / name, timeout_s=args.proc_limit)
+                log_dir=scratch / "logs" / name, timeout_s=process_limit(args, t0))
     print(f"[{time.time() - args.t0:6.0f}s] {name}: rc={rc} in {time.time() - t0:.0f} s", flush=True)
     try:
         part = json.loads(out.read_text())
     except (OSError, ValueError):
         part = None
     return {"name": name, "rc": rc, "seconds": round(time.time() - t0, 1), "part": part}
+
+
+def process_limit(args: argparse.Namespace, now: float) -> float:
+    """Seconds a process starting at ``now`` may run: ``--proc-limit``, and no later than ``--stop-at``
+    (so the records of the processes that finished are written before an outer limit ends the run)."""
+    if args.stop_at is None:
+        return args.proc_limit
+    return max(1.0, min(args.proc_limit, args.t0 + args.stop_at - now))
+
+
+def reference_of(scratch: Path, release: str, ranks: int, layout: str, strategy: str,
+                 cache: dict) -> tuple[str, dict[str, Any] | None]:
+    """The reference a (layout, strategy) is judged against, and fusion off's own check.
+
+    Fusion off under ``no_shard`` reduces by all-reduce alone; under a sharded strategy it
+    reduce-scatters, and a reduce-scatter over a one-rank group drops Megatron-FSDP's factor
+    (expert parallel = data parallel: experts N x at N ranks, with or without fusion). Where fusion
+    off under ``strategy`` differs from fusion off under ``no_shard`` beyond the bound, the
+    reference is the latter (``fusion_off_no_shard``), and the check says by how much; else it is
+    fusion off under ``strategy``."""
+    if strategy == "no_shard":
+        return "fusion_off", None
+    check = compare_dumps(dump_file(scratch, release, ranks, "fusion_off", layout, strategy),
+                          dump_file(scratch, release, ranks, "fusion_off", layout, "no_shard"), cache)
+    wrong = check is not None and check["max_rel_diff"] is not None and check["max_rel_diff"] > BOUND
+    return ("fusion_off_no_shard" if wrong else "fusion_off"), check
+
+
+def _ratios(result: dict[str, Any] | None) -> list[float] | None:
+    return [result["min_norm_ratio"], result["max_norm_ratio"]] if result else None
 
 
 def compare_dumps(got: Path, ref: Path, cache: dict) -> dict[str, Any] | None:
@@ -174,21 +209,34 @@ def records(args: argparse.Namespace, scratch: Path, release: str, ranks: int, l
         for strategy in args.strategies.split(","):
             off = dump_file(scratch, release, ranks, "fusion_off", layout, strategy)
             fp64 = dump_file(scratch, release, ranks, "fusion_off", layout, "fp64") if layout in FP64_LAYOUTS else None
+            reference, off_check = reference_of(scratch, release, ranks, layout, strategy, cache)
+            ref = off if reference == "fusion_off" else dump_file(scratch, release, ranks, "fusion_off", layout,
+                                                                  "no_shard")
             for config in CONFIGS:
                 got = dump_file(scratch, release, ranks, config, layout, strategy)
                 vs_off = compare_dumps(got, off, cache) if config != "fusion_off" else None
+                vs_ref = compare_dumps(got, ref, cache) if config != "fusion_off" else None
                 vs_fp64 = compare_dumps(got, fp64, cache) if fp64 is not None else None
                 proc = procs.get(f"{layout}.{config}") or {}
                 failed = _failed_run(proc.get("part"), f"{layout}.{strategy}")
                 error = failed or (None if got.exists() else f"no gradient dump (process rc={proc.get('rc')})")
+                check = off_check if config == "fusion_off" else None
                 out.append({
                     "entry": ENTRY, "release": release, "ranks": ranks, "layout": layout, "strategy": strategy,
                     "tied": lay["tied"] == "on", "mtp": bool(lay["mtp_layers"]), "moe": bool(lay["moe_experts"]),
                     "ep": ranks if lay.get("ep_is_dp") else 1, "config": config,
                     "max_rel_err_vs_off": vs_off["max_rel_diff"] if vs_off else None,
                     "worst_param_vs_off": vs_off["worst_param"] if vs_off else None,
+                    "norm_ratio_vs_off": _ratios(vs_off),
+                    "reference": reference,
+                    "max_rel_err_vs_reference": vs_ref["max_rel_diff"] if vs_ref else None,
+                    "worst_param_vs_reference": vs_ref["worst_param"] if vs_ref else None,
                     "max_rel_err_vs_fp64": vs_fp64["max_rel_diff"] if vs_fp64 else None,
-                    "passed": (vs_off["max_rel_diff"] <= BOUND) if vs_off and not error else None,
+                    # fusion off's record: its own check against fusion off under no_shard
+                    "max_rel_err_vs_off_no_shard": check["max_rel_diff"] if check else None,
+                    "worst_param_vs_off_no_shard": check["worst_param"] if check else None,
+                    "norm_ratio_vs_off_no_shard": _ratios(check),
+                    "passed": (vs_ref["max_rel_diff"] <= BOUND) if vs_ref and not error else None,
                     "bound": BOUND, "control": control if config == "upstream" else None, "error": error,
                     "megatron_core": versions.get("megatron_core"),
                     "transformer_engine": versions.get("transformer_engine"),
@@ -289,6 +337,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "core: with far more ranks than cores no process finishes)")
     p.add_argument("--proc-limit", type=float, default=240, help="seconds one process may run")
     p.add_argument("--deadline", type=float, default=480, help="seconds after which no (release, ranks) starts")
+    p.add_argument("--stop-at", type=float, default=None,
+                   help="seconds after the start at which every process still running is stopped; the records "
+                        "then say which configuration has no gradient dump")
     args = p.parse_args(argv)
     if not args.merge and not args.out:
         p.error("--out is required unless --merge is given")

@@ -22,9 +22,10 @@ import torch, torch.distributed as dist
 dist.init_process_group("gloo")
 x = torch.tensor([float(dist.get_rank() + 1)])
 dist.all_reduce(x)
-keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NCCL_HOSTID", "CUDA_VISIBLE_DEVICES", "NCCL_SOCKET_IFNAME")
+keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NCCL_HOSTID", "CUDA_VISIBLE_DEVICES", "NCCL_SOCKET_IFNAME",
+        "OMP_NUM_THREADS")
 with open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}.json"), "w") as f:
-    json.dump({"sum": x.item(), **{k: os.environ.get(k) for k in keys}}, f)
+    json.dump({"sum": x.item(), "threads": torch.get_num_threads(), **{k: os.environ.get(k) for k in keys}}, f)
 dist.destroy_process_group()
 """
 
@@ -40,6 +41,12 @@ def test_launch_starts_every_rank_on_gpu0_with_its_own_host_id(tmp_path):
     assert {s["LOCAL_RANK"] for s in seen} == {"0"} and {s["CUDA_VISIBLE_DEVICES"] for s in seen} == {"0"}
     assert len({s["NCCL_HOSTID"] for s in seen}) == 3
     assert {s["NCCL_SOCKET_IFNAME"] for s in seen} == {"lo"}
+    assert {s["threads"] for s in seen} == {1}  # torchrun's default: ranks outnumber the cores
+
+
+def test_a_thread_count_the_caller_set_is_kept():
+    env = launcher.rank_env({"OMP_NUM_THREADS": "4"}, 0, 2, 29500)
+    assert env["OMP_NUM_THREADS"] == "4" and launcher.rank_env({}, 0, 2, 29500)["OMP_NUM_THREADS"] == "1"
 
 
 def test_a_failing_rank_stops_the_others(tmp_path, monkeypatch):
@@ -122,6 +129,57 @@ def test_records_fail_a_patched_run_that_lost_a_micro_batch_and_name_a_missing_d
     assert table.parity_verdict(None, None) == "no result"
 
 
+def test_records_tell_a_wrong_fusion_off_reference_from_a_wrong_patched_run(tmp_path):
+    """An expert gradient 4x too large in fusion off under a sharded strategy (a one-rank reduce-scatter
+    that drops its 1/4 factor): patched, right, fails against that reference, and the all-reduce
+    reference (fusion off under no_shard) says which of the two is wrong."""
+    gen = torch.Generator().manual_seed(2)
+    right = {"decoder.layers.0.mlp.experts.linear_fc1.weight0": torch.randn(32, 16, generator=gen)}
+    four = {k: 4 * v for k, v in right.items()}
+    for strategy, config, grads in (("no_shard", "fusion_off", right), ("no_shard", "patched", right),
+                                    ("optim", "fusion_off", four), ("optim", "patched", right)):
+        _save(parity.dump_file(tmp_path, "0.19.2", 4, config, "moe_ep", strategy), grads)
+    args = parity.parse_args(["--out", str(tmp_path / "out"), "--scratch", str(tmp_path), "--layouts", "moe_ep",
+                              "--strategies", "no_shard,optim"])
+    procs = {f"moe_ep.{c}": {"rc": 0, "part": None} for c in parity.CONFIGS}
+
+    by = {(r["strategy"], r["config"]): r for r in parity.records(args, tmp_path, "0.19.2", 4, ["moe_ep"], procs)}
+
+    sharded_off, sharded_patched = by[("optim", "fusion_off")], by[("optim", "patched")]
+    assert sharded_patched["max_rel_err_vs_off"] == pytest.approx(0.75)  # against fusion off of the same strategy
+    assert sharded_patched["norm_ratio_vs_off"] == [pytest.approx(0.25)] * 2
+    assert sharded_off["max_rel_err_vs_off_no_shard"] == pytest.approx(3.0)  # fusion off's own check fails
+    assert sharded_off["worst_param_vs_off_no_shard"].endswith("experts.linear_fc1.weight0")
+    assert sharded_off["norm_ratio_vs_off_no_shard"] == [pytest.approx(4.0)] * 2
+    assert sharded_patched["reference"] == "fusion_off_no_shard"
+    assert sharded_patched["max_rel_err_vs_reference"] == 0.0 and sharded_patched["passed"] is True
+    assert table.parity_verdict(sharded_patched, by[("optim", "upstream")], sharded_off) == \
+        "pass (reference: no_shard's fusion off)"
+    plain = by[("no_shard", "patched")]
+    assert plain["reference"] == "fusion_off" and plain["passed"] is True
+    assert by[("no_shard", "fusion_off")]["max_rel_err_vs_off_no_shard"] is None  # the reference itself
+
+
+def test_a_patched_run_wrong_where_fusion_off_is_wrong_too_fails(tmp_path):
+    """Both 4x on the expert (the check that both agreeing is not enough): fusion off's own check
+    fails, the reference becomes fusion off under no_shard, and the patched run fails against it."""
+    gen = torch.Generator().manual_seed(3)
+    right = {"decoder.layers.0.mlp.experts.linear_fc1.weight0": torch.randn(32, 16, generator=gen)}
+    four = {k: 4 * v for k, v in right.items()}
+    for strategy, config, grads in (("no_shard", "fusion_off", right), ("optim", "fusion_off", four),
+                                    ("optim", "patched", four)):
+        _save(parity.dump_file(tmp_path, "0.19.2", 4, config, "moe_ep", strategy), grads)
+    args = parity.parse_args(["--out", str(tmp_path / "out"), "--scratch", str(tmp_path), "--layouts", "moe_ep",
+                              "--strategies", "no_shard,optim"])
+    procs = {f"moe_ep.{c}": {"rc": 0, "part": None} for c in parity.CONFIGS}
+
+    by = {(r["strategy"], r["config"]): r for r in parity.records(args, tmp_path, "0.19.2", 4, ["moe_ep"], procs)}
+
+    patched = by[("optim", "patched")]
+    assert patched["max_rel_err_vs_off"] == 0.0  # equal to fusion off of its strategy: a false pass before
+    assert patched["reference"] == "fusion_off_no_shard" and patched["passed"] is False
+    assert table.parity_verdict(patched, by[("optim", "upstream")], by[("optim", "fusion_off")]) == "FAIL"
+
 def test_upstream_control_keeps_only_what_megatron_needs_to_run_fused():
     from gemm_patch.targets import REGISTRY
 
@@ -143,6 +201,14 @@ def test_plan_puts_the_fp64_oracle_first_and_expert_parallel_equal_to_ranks(tmp_
     assert all(r["fusion"] == "on" and r["micro_batches"] == 4 and r["steps"] == 1 for r in ep)
     assert parity.groups(["tied", "moe_ep", "tied_mtp"]) == [("dense", ["tied", "tied_mtp"]), ("ep", ["moe_ep"])]
 
+
+def test_a_process_may_run_no_later_than_the_stop_time():
+    args = parity.parse_args(["--out", "o", "--proc-limit", "200"])
+    assert parity.process_limit(args, args.t0 + 500) == 200  # no --stop-at: the process limit alone
+    args = parity.parse_args(["--out", "o", "--proc-limit", "200", "--stop-at", "300"])
+    assert parity.process_limit(args, args.t0 + 50) == 200
+    assert parity.process_limit(args, args.t0 + 250) == pytest.approx(50)
+    assert parity.process_limit(args, args.t0 + 400) == 1.0
 
 def test_memory_table_shows_the_difference_to_fusion_off_and_which_step_times_count():
     base = {"kind": "memory", "entry": "train_gpt_fsdp", "release": "0.17.1", "ranks": 2, "case": "c",

@@ -384,3 +384,23 @@ def test_a_parameter_the_probe_could_not_place_is_said_not_judged():
     none = compare_params.judge_parameters(rec({"a": 1.0}, ["a"]), rec({"a": 1.0}), [])
     assert not none["judged"] and none["why"].startswith("the probe could place no parameter (a: ")
     assert compare_params.unjudged(compare_params.judge_parameters(rec({"a": 1.0}), rec({"a": 1.0}), [])) == ""
+
+
+def test_a_whole_factor_between_the_runs_is_named_with_its_known_cause():
+    """Fusion off 4x fusion on (megatron's one-rank reduce-scatter dropping 1/4, with fusion off too):
+    still "differs", and the description says the factor and what corrects it; a ratio that is not
+    a whole number, and a difference within the bound, get no such note."""
+    from gemm_patch.commands import compare_params
+
+    def row(on, off):
+        r = {"rank": 1, "parameter": "decoder.layers.0.mlp.experts.linear_fc1.weight0", "norm": [on, off],
+             "bound": 2.0 ** -7}
+        return {**r, "rel": abs(on - off) / off}
+
+    four = compare_params.describe(row(0.25, 1.0002), 4)
+    assert "relative difference 7.50e-01 > 7.81e-03" in four
+    assert "fusion off's gradient is 4 x fusion on's" in four and "--off-patched" in four
+    assert "fusion on's gradient is 2 x fusion off's, a whole factor" in compare_params.describe(row(2.0, 1.0), 2)
+    assert "whole factor" not in compare_params.describe(row(1.0, 1.37), 2)
+    assert "whole factor" not in compare_params.describe(row(1.0, 1.001), 2)  # within the bound
+    assert compare_params.whole_factor(1.0, 3.01) is None and compare_params.whole_factor(0.0, 2.0) is None

@@ -95,8 +95,33 @@ def unjudged(params: dict[str, Any]) -> str:
     return f"; {len(unplaced)} parameter{plural} by the global values only ({_first(unplaced)})"
 
 
+# How close a norm ratio must be to a whole number to be called one (bf16 rounding moves it ~1e-4).
+WHOLE_FACTOR_RTOL = 1e-3
+
+
+def whole_factor(norm_on: float, norm_off: float) -> tuple[str, int] | None:
+    """("off", k) where fusion off's gradient norm is k >= 2 times fusion on's (("on", k) the other
+    way round) to within WHOLE_FACTOR_RTOL, else None."""
+    if norm_on <= 0 or norm_off <= 0:
+        return None
+    larger, ratio = ("off", norm_off / norm_on) if norm_off > norm_on else ("on", norm_on / norm_off)
+    k = round(ratio)
+    return (larger, k) if k >= 2 and abs(ratio - k) <= WHOLE_FACTOR_RTOL * k else None
+
+
 def describe(row: dict[str, Any], ranks: int) -> str:
     where = f" (rank {row['rank']})" if ranks > 1 else ""
-    return (f"parameter {row['parameter']}{where}: gradient norm {row['norm'][0]:.6g} vs {row['norm'][1]:.6g}, "
+    text = (f"parameter {row['parameter']}{where}: gradient norm {row['norm'][0]:.6g} vs {row['norm'][1]:.6g}, "
             f"relative difference {row['rel']:.2e} {'>' if row['rel'] > row['bound'] else '<='} "
             f"{row['bound']:.2e}")
+    factor = whole_factor(*row["norm"]) if row["rel"] > row["bound"] else None
+    if factor is not None and factor[0] == "off":
+        # The one known cause: Megatron-FSDP's reduce-scatter over a one-rank group (expert
+        # parallel = data parallel) drops the 1/k averaging factor whether fusion is on or off.
+        text += (f"; fusion off's gradient is {factor[1]} x fusion on's, a whole factor: a reduction that dropped "
+                 f"its 1/{factor[1]} averaging in the fusion-off run (megatron's reduce-scatter over a one-rank "
+                 "group does, for experts with expert parallelism equal to data parallelism; gemm-patch's "
+                 "fsdp-one-rank-scale corrects it, also with fusion off: --off-patched runs fusion off with it)")
+    elif factor is not None:
+        text += f"; fusion on's gradient is {factor[1]} x fusion off's, a whole factor"
+    return text

@@ -4,8 +4,9 @@
 
 Each rank gets the variables ``torch.distributed``'s ``env://`` start reads (``RANK``,
 ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), ``LOCAL_RANK=0`` (megatron and the harnesses
-pick their device from it) and its own ``NCCL_HOSTID``. When a rank fails, the others are
-stopped: a collective would wait for it for good.
+pick their device from it), its own ``NCCL_HOSTID`` and, unless set, ``OMP_NUM_THREADS=1`` (as
+torchrun gives several processes on one host). When a rank fails, the others are stopped: a
+collective would wait for it for good.
 """
 
 from __future__ import annotations

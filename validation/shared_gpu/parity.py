@@ -168,8 +168,8 @@ def process_limit(args: argparse.Namespace, now: float) -> float:
 
 
 def reference_of(scratch: Path, release: str, ranks: int, layout: str, strategy: str,
-                 cache: dict) -> tuple[str, dict[str, Any] | None]:
-    """The reference a (layout, strategy) is judged against, and fusion off's own check.
+                 cache: dict) -> tuple[str, Path, dict[str, Any] | None]:
+    """The reference a (layout, strategy) is judged against (its name and dump), and fusion off's own check.
 
     Fusion off under ``no_shard`` reduces by all-reduce alone; under a sharded strategy it
     reduce-scatters, and a reduce-scatter over a one-rank group drops Megatron-FSDP's factor
@@ -177,12 +177,13 @@ def reference_of(scratch: Path, release: str, ranks: int, layout: str, strategy:
     off under ``strategy`` differs from fusion off under ``no_shard`` beyond the bound, the
     reference is the latter (``fusion_off_no_shard``), and the check says by how much; else it is
     fusion off under ``strategy``."""
+    off, all_reduce = (dump_file(scratch, release, ranks, "fusion_off", layout, s) for s in (strategy, "no_shard"))
     if strategy == "no_shard":
-        return "fusion_off", None
-    check = compare_dumps(dump_file(scratch, release, ranks, "fusion_off", layout, strategy),
-                          dump_file(scratch, release, ranks, "fusion_off", layout, "no_shard"), cache)
-    wrong = check is not None and check["max_rel_diff"] is not None and check["max_rel_diff"] > BOUND
-    return ("fusion_off_no_shard" if wrong else "fusion_off"), check
+        return "fusion_off", off, None
+    check = compare_dumps(off, all_reduce, cache)
+    if check is not None and check["max_rel_diff"] is not None and check["max_rel_diff"] > BOUND:
+        return "fusion_off_no_shard", all_reduce, check
+    return "fusion_off", off, check
 
 
 def _ratios(result: dict[str, Any] | None) -> list[float] | None:
@@ -209,9 +210,7 @@ def records(args: argparse.Namespace, scratch: Path, release: str, ranks: int, l
         for strategy in args.strategies.split(","):
             off = dump_file(scratch, release, ranks, "fusion_off", layout, strategy)
             fp64 = dump_file(scratch, release, ranks, "fusion_off", layout, "fp64") if layout in FP64_LAYOUTS else None
-            reference, off_check = reference_of(scratch, release, ranks, layout, strategy, cache)
-            ref = off if reference == "fusion_off" else dump_file(scratch, release, ranks, "fusion_off", layout,
-                                                                  "no_shard")
+            reference, ref, off_check = reference_of(scratch, release, ranks, layout, strategy, cache)
             for config in CONFIGS:
                 got = dump_file(scratch, release, ranks, config, layout, strategy)
                 vs_off = compare_dumps(got, off, cache) if config != "fusion_off" else None

@@ -45,12 +45,10 @@ def _vs_reference(r: dict[str, Any]) -> float | None:
     return r.get("max_rel_err_vs_reference", r.get("max_rel_err_vs_off"))
 
 
-def parity_verdict(patched: dict[str, Any] | None, upstream: dict[str, Any] | None,
-                   off: dict[str, Any] | None = None) -> str:
+def parity_verdict(patched: dict[str, Any] | None, upstream: dict[str, Any] | None) -> str:
     """"pass" when gemm-patch is within the bound of the reference, with "(upstream wrong)" where
-    the control is outside it and "(reference: no_shard's fusion off)" where the reference is fusion off under
-    no_shard because fusion off under the strategy failed its own check; "FAIL" when gemm-patch is
-    outside; "no result" when it did not run."""
+    the control is outside it and "(reference: no_shard's fusion off)" where fusion off under the
+    strategy failed its own check; "FAIL" when gemm-patch is outside; "no result" when it did not run."""
     if patched is None or patched.get("passed") is None:
         return "no result"
     if not patched["passed"]:
@@ -85,7 +83,7 @@ def parity_markdown(records: Iterable[dict[str, Any]]) -> str:
                      f"{_err(_vs_reference(patched or {}))} | {_err(_vs_reference(upstream or {}))} | "
                      f"{_off_check(off)} | "
                      f"{_err((patched or {}).get('max_rel_err_vs_fp64'))} | "
-                     f"{_err((off or {}).get('max_rel_err_vs_fp64'))} | {parity_verdict(patched, upstream, off)} |")
+                     f"{_err((off or {}).get('max_rel_err_vs_fp64'))} | {parity_verdict(patched, upstream)} |")
     return "\n".join(lines) + "\n"
 
 

@@ -153,7 +153,7 @@ def test_records_tell_a_wrong_fusion_off_reference_from_a_wrong_patched_run(tmp_
     assert sharded_off["norm_ratio_vs_off_no_shard"] == [pytest.approx(4.0)] * 2
     assert sharded_patched["reference"] == "fusion_off_no_shard"
     assert sharded_patched["max_rel_err_vs_reference"] == 0.0 and sharded_patched["passed"] is True
-    assert table.parity_verdict(sharded_patched, by[("optim", "upstream")], sharded_off) == \
+    assert table.parity_verdict(sharded_patched, by[("optim", "upstream")]) == \
         "pass (reference: no_shard's fusion off)"
     plain = by[("no_shard", "patched")]
     assert plain["reference"] == "fusion_off" and plain["passed"] is True
@@ -178,7 +178,7 @@ def test_a_patched_run_wrong_where_fusion_off_is_wrong_too_fails(tmp_path):
     patched = by[("optim", "patched")]
     assert patched["max_rel_err_vs_off"] == 0.0  # equal to fusion off of its strategy: a false pass before
     assert patched["reference"] == "fusion_off_no_shard" and patched["passed"] is False
-    assert table.parity_verdict(patched, by[("optim", "upstream")], by[("optim", "fusion_off")]) == "FAIL"
+    assert table.parity_verdict(patched, by[("optim", "upstream")]) == "FAIL"
 
 def test_upstream_control_keeps_only_what_megatron_needs_to_run_fused():
     from gemm_patch.targets import REGISTRY

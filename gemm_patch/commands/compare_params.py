@@ -116,12 +116,13 @@ def describe(row: dict[str, Any], ranks: int) -> str:
             f"{row['bound']:.2e}")
     factor = whole_factor(*row["norm"]) if row["rel"] > row["bound"] else None
     if factor is not None and factor[0] == "off":
-        # The one known cause: Megatron-FSDP's reduce-scatter over a one-rank group (expert
-        # parallel = data parallel) drops the 1/k averaging factor whether fusion is on or off.
-        text += (f"; fusion off's gradient is {factor[1]} x fusion on's, a whole factor: a reduction that dropped "
-                 f"its 1/{factor[1]} averaging in the fusion-off run (megatron's reduce-scatter over a one-rank "
-                 "group does, for experts with expert parallelism equal to data parallelism; gemm-patch's "
-                 "fsdp-one-rank-scale corrects it, also with fusion off: --off-patched runs fusion off with it)")
+        # A known cause, named but not assumed: Megatron-FSDP's reduce-scatter over a one-rank group
+        # (expert parallel = data parallel) drops the 1/k averaging factor whether fusion is on or off.
+        k = factor[1]
+        text += (f"; fusion off's gradient is {k} x fusion on's, a whole factor, as when a reduction drops its "
+                 f"1/{k} averaging: megatron's reduce-scatter over a one-rank group does so in the fusion-off run "
+                 "for experts with expert parallelism equal to data parallelism; rerun with --off-patched (fusion "
+                 "off with gemm-patch's fsdp-one-rank-scale): same there means fusion off was the wrong one")
     elif factor is not None:
         text += f"; fusion on's gradient is {factor[1]} x fusion off's, a whole factor"
     return text

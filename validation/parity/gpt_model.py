@@ -49,8 +49,7 @@ def param_kind(name: str) -> str:
 
 
 def build_configs(run: dict[str, Any]):
-    """TransformerConfig, DistributedDataParallelConfig and OptimizerConfig for one run
-    (no GPU needed: checked on the CPU by tests of this example)."""
+    """TransformerConfig, DistributedDataParallelConfig and OptimizerConfig for one run (no GPU needed)."""
     import torch
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig

@@ -124,7 +124,8 @@ def plan(args: argparse.Namespace, scratch: Path, release: str, ranks: int, conf
 
 def process_env(args: argparse.Namespace, release: str, config: str) -> dict[str, str]:
     """The environment of one configuration's ranks: megatron-core ``release`` and the kit first
-    on PYTHONPATH, gemm_patch's start-up hook for the fused configurations."""
+    on PYTHONPATH, gemm_patch's start-up hook for the fused configurations, ``GEMM_PATCH=0`` for
+    fusion off."""
     from gemm_patch.commands.launcher import launch_env
 
     mc = str(Path(args.mcore_root) / f"mc{release.replace('.', '')}")
@@ -133,7 +134,9 @@ def process_env(args: argparse.Namespace, release: str, config: str) -> dict[str
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), mc, site])
     env.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
     if config == "fusion_off":
-        return env
+        # megatron alone, even where gemm_patch is installed with its start-up hook: its reduce fix
+        # (fsdp-one-rank-scale) changes fusion off's gradients too
+        return {**env, "GEMM_PATCH": "0"}
     if config == "upstream":
         env.update(upstream_control(release)[0])
     return launch_env(env)

@@ -192,6 +192,18 @@ def test_upstream_control_keeps_only_what_megatron_needs_to_run_fused():
     assert rule == "overwrite" and left_out <= known and "fsdp-wgrad" not in left_out
 
 
+def test_fusion_off_runs_megatron_alone_and_the_fused_configurations_under_the_start_up_hook(monkeypatch):
+    """Fusion off gets GEMM_PATCH=0 whatever the caller's environment holds (a start-up hook
+    installed in the kit would otherwise load gemm_patch and its reduce fix there)."""
+    monkeypatch.setenv("GEMM_PATCH_AUTO", "1")
+    args = parity.parse_args(["--out", "o"])
+    off = parity.process_env(args, "0.19.2", "fusion_off")
+    assert off["GEMM_PATCH"] == "0" and "GEMM_PATCH_AUTO" not in off
+    patched = parity.process_env(args, "0.19.2", "patched")
+    assert "GEMM_PATCH" not in patched and patched["GEMM_PATCH_AUTO"] == "1"
+    upstream = parity.process_env(args, "0.17.1", "upstream")
+    assert upstream["GEMM_PATCH_AUTO"] == "1" and "fsdp-one-rank-scale" in upstream["GEMM_PATCH_DISABLE"]
+
 def test_plan_puts_the_fp64_oracle_first_and_expert_parallel_equal_to_ranks(tmp_path):
     args = parity.parse_args(["--out", str(tmp_path), "--layouts", "tied_mtp,tied,moe_ep"])
     runs = parity.plan(args, tmp_path, "0.17.1", 4, "fusion_off", ["tied"])

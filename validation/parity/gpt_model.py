@@ -109,6 +109,13 @@ def build_configs(run: dict[str, Any]):
     })
     if run.get("grad_div_fusion") is not None:
         extra_ddp["gradient_reduce_div_fusion"] = run["grad_div_fusion"] == "on"
+    ddp_fields = {f.name for f in dataclasses.fields(DistributedDataParallelConfig)}
+    if run.get("fine_grained_param_gather") is not None:
+        field = "megatron_fsdp_enable_fine_grained_param_gather"
+        if field not in ddp_fields:
+            raise ValueError(f"fine_grained_param_gather: this megatron-core's DistributedDataParallelConfig has "
+                             f"no {field} (megatron-core 0.19 and later have it)")
+        extra_ddp[field] = run["fine_grained_param_gather"] == "on"
     ddp_config = DistributedDataParallelConfig(
         **extra_ddp,
         use_megatron_fsdp=True,
@@ -130,7 +137,7 @@ def build_configs(run: dict[str, Any]):
         grad_reduce_in_fp32=fp32_grads,
         **{k: torch.float32 if fp32_grads else torch.bfloat16
            for k in ("megatron_fsdp_main_grads_dtype", "megatron_fsdp_grad_comm_dtype")
-           if k in {f.name for f in dataclasses.fields(DistributedDataParallelConfig)}},
+           if k in ddp_fields},
     )
     opt_config = OptimizerConfig(
         optimizer="adam",

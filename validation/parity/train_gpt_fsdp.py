@@ -86,7 +86,7 @@ RUN_KEYS = ("name", "fusion", "main_grads_dtype", "sharding", "steps", "micro_ba
             # the width benchmark's probes (benchmarks/step_probe.py)
             "probe_dir", "probe_step", "te_dummy")
 # Run keys that exist only when given (flag or --plan entry): absent, a run's config is unchanged.
-OPTIONAL_RUN_KEYS = ("grad_div_fusion", "position_embedding")
+OPTIONAL_RUN_KEYS = ("grad_div_fusion", "position_embedding", "fine_grained_param_gather")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -172,6 +172,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--grad-div-fusion", choices=("on", "off"), default=None,
                    help="DDP config gradient_reduce_div_fusion (default: megatron-core's, True); the "
                         "ep2_moe probe repeats with 'off' (explicit mul_ instead of NCCL PreMulSum)")
+    p.add_argument("--fine-grained-param-gather", choices=("on", "off"), default=None,
+                   help="DDP config megatron_fsdp_enable_fine_grained_param_gather (megatron-core 0.19+): "
+                        "every module unshards its own weights")
     p.add_argument("--reduce-probe", default=None, metavar="PATH",
                    help="observe Megatron-FSDP's per-bucket gradient scaling and reduction "
                         "(validation/probes/ep2_reduce_probe.py); rank 0 writes every rank's record to PATH (JSON)")
@@ -374,6 +377,8 @@ def train_one(run: dict[str, Any], untimed_steps: int, first_in_process: bool,
                        if type(m).__name__ in ("TEGroupedMLP", "GroupedMLP", "SequentialMLP")})
     model = FullyShardedDataParallel(config=tconfig, ddp_config=ddp_config, module=Float16Module(tconfig, gpt))
     main_grad_dtypes = _main_grad_dtypes(model)
+    # Megatron-FSDP's own flag (the adapter's module): proves the fine-grained unshard hooks ran.
+    fine_grained_hook = getattr(getattr(model, "module", None), "enable_fine_grained_param_gather_hook", None)
     optimizer = get_megatron_optimizer(opt_config, [model])
     # Linear warmup from 0, then constant (megatron-core's scheduler, as Megatron-LM uses it).
     # It sets every param group's lr at construction (num_steps = 0: lr 0) and on each step(1);
@@ -531,6 +536,7 @@ def train_one(run: dict[str, Any], untimed_steps: int, first_in_process: bool,
         # The dtypes of Megatron-FSDP's main gradient buffers as built (fp32 expected with
         # main_grads_dtype fp32).
         "main_grad_buffer_dtypes": main_grad_dtypes,
+        "fine_grained_param_gather_hook": fine_grained_hook,
         "tokens_per_step": tokens_per_step,
         "steps": steps,
         "summary": summary,

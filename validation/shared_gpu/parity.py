@@ -65,6 +65,12 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "moe": {"tied": "off", "mtp_layers": 0, "moe_experts": 8},
     # expert parallel = data parallel: each expert's gradient is reduced over a one-rank group
     "moe_ep": {"tied": "off", "mtp_layers": 0, "moe_experts": 8, "ep_is_dp": True},
+    # Megatron-FSDP's fine-grained parameter gather: every module unshards its own weights (the
+    # tied output layer and the MTP head each gather the embedding's), where the release has it
+    "tied_mtp_fine_gather": {"tied": "on", "mtp_layers": 1, "moe_experts": 0, "fine_grained_param_gather": "on",
+                             "releases": ("0.19.",)},
+    "moe_fine_gather": {"tied": "off", "mtp_layers": 0, "moe_experts": 8, "fine_grained_param_gather": "on",
+                        "releases": ("0.19.",)},
 }
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 CONFIGS = ("fusion_off", "patched", "upstream")
@@ -78,10 +84,18 @@ FIXES = ("fsdp-te-overwrite", "mfsdp-te-overwrite", "fsdp-shared-grad", "mfsdp-s
 NATIVE_FUSED_FP32 = ("0.19.",)  # releases whose own fused path writes fp32 main grads
 # There: everything but apex's stand-in (megatron refuses fusion without apex) and te-dummy-wgrad.
 NATIVE_LEFT_OUT = (*FIXES, "fsdp-wgrad", "fsdp-wgrad-gemm")
-RECORD_KEYS = ("entry", "release", "ranks", "layout", "strategy", "tied", "mtp", "moe", "ep", "config",
+RECORD_KEYS = ("entry", "release", "ranks", "layout", "strategy", "tied", "mtp", "moe", "ep",
+               "fine_grained_param_gather", "config",
                "max_rel_err_vs_off", "worst_param_vs_off", "reference", "max_rel_err_vs_reference",
                "max_rel_err_vs_off_no_shard", "max_rel_err_vs_fp64", "passed", "bound", "control",
-               "error", "megatron_core", "transformer_engine", "device", "one_gpu")
+               "error", "megatron_core", "transformer_engine", "device", "one_gpu",
+               "max_allocated_bytes", "allocated_bytes")
+SHAPE_KEYS = ("tied", "mtp_layers", "moe_experts", "fine_grained_param_gather")
+
+
+def layouts_for(release: str, layouts: list[str]) -> list[str]:
+    """The layouts of ``layouts`` that ``release`` has (fine-grained gather: 0.19 and later)."""
+    return [name for name in layouts if release.startswith(LAYOUTS[name].get("releases", ("",)))]
 
 
 def upstream_control(release: str) -> tuple[dict[str, str], str | None, str]:
@@ -109,10 +123,10 @@ def plan(args: argparse.Namespace, scratch: Path, release: str, ranks: int, conf
     runs = []
     for layout in layouts:
         lay = LAYOUTS[layout]
-        shape = {k: lay[k] for k in ("tied", "mtp_layers", "moe_experts")}
+        shape = {k: lay[k] for k in SHAPE_KEYS if k in lay}
         if lay.get("ep_is_dp"):
             shape["ep"] = ranks
-        if config == "fusion_off" and layout in FP64_LAYOUTS:
+        if config == "fusion_off" and layout in FP64_LAYOUTS and args.fp64 == "on":
             runs.append({**model, **shape, "name": f"{layout}.fp64", "mode": "fp64",
                          "grad_dump": str(dump_file(scratch, release, ranks, config, layout, "fp64"))})
         for strategy in args.strategies.split(","):
@@ -212,7 +226,8 @@ def records(args: argparse.Namespace, scratch: Path, release: str, ranks: int, l
         lay = LAYOUTS[layout]
         for strategy in args.strategies.split(","):
             off = dump_file(scratch, release, ranks, "fusion_off", layout, strategy)
-            fp64 = dump_file(scratch, release, ranks, "fusion_off", layout, "fp64") if layout in FP64_LAYOUTS else None
+            fp64 = (dump_file(scratch, release, ranks, "fusion_off", layout, "fp64")
+                    if layout in FP64_LAYOUTS and args.fp64 == "on" else None)
             reference, ref, off_check = reference_of(scratch, release, ranks, layout, strategy, cache)
             for config in CONFIGS:
                 got = dump_file(scratch, release, ranks, config, layout, strategy)
@@ -220,13 +235,16 @@ def records(args: argparse.Namespace, scratch: Path, release: str, ranks: int, l
                 vs_ref = compare_dumps(got, ref, cache) if config != "fusion_off" else None
                 vs_fp64 = compare_dumps(got, fp64, cache) if fp64 is not None else None
                 proc = procs.get(f"{layout}.{config}") or {}
-                failed = _failed_run(proc.get("part"), f"{layout}.{strategy}")
+                run = _run(proc.get("part"), f"{layout}.{strategy}")
+                failed = _failed_run(run)
                 error = failed or (None if got.exists() else f"no gradient dump (process rc={proc.get('rc')})")
                 check = off_check if config == "fusion_off" else None
                 out.append({
                     "entry": ENTRY, "release": release, "ranks": ranks, "layout": layout, "strategy": strategy,
                     "tied": lay["tied"] == "on", "mtp": bool(lay["mtp_layers"]), "moe": bool(lay["moe_experts"]),
-                    "ep": ranks if lay.get("ep_is_dp") else 1, "config": config,
+                    "ep": ranks if lay.get("ep_is_dp") else 1,
+                    "fine_grained_param_gather": run.get("fine_grained_param_gather_hook") if run else None,
+                    "config": config,
                     "max_rel_err_vs_off": vs_off["max_rel_diff"] if vs_off else None,
                     "worst_param_vs_off": vs_off["worst_param"] if vs_off else None,
                     "norm_ratio_vs_off": _ratios(vs_off),
@@ -243,6 +261,7 @@ def records(args: argparse.Namespace, scratch: Path, release: str, ranks: int, l
                     "megatron_core": versions.get("megatron_core"),
                     "transformer_engine": versions.get("transformer_engine"),
                     "device": part.get("gpu"), "one_gpu": True, "micro_batches": 4,
+                    **_memory(run),
                     "model": {k: getattr(args, k) for k in ("layers", "hidden", "seq", "vocab")},
                 })
     for path in (scratch / "dumps" / release / f"dp{ranks}").rglob("*.pt"):
@@ -250,11 +269,25 @@ def records(args: argparse.Namespace, scratch: Path, release: str, ranks: int, l
     return out
 
 
-def _failed_run(part: dict[str, Any] | None, name: str) -> str | None:
-    for run in (part or {}).get("runs", []):
-        if run.get("name") == name and (run.get("error") or run.get("unsupported")):
-            return (run.get("error") or run.get("unsupported"))[:300]
+def _run(part: dict[str, Any] | None, name: str) -> dict[str, Any] | None:
+    return next((run for run in (part or {}).get("runs", []) if run.get("name") == name), None)
+
+
+def _failed_run(run: dict[str, Any] | None) -> str | None:
+    if run and (run.get("error") or run.get("unsupported")):
+        return (run.get("error") or run.get("unsupported"))[:300]
     return None
+
+
+def _memory(run: dict[str, Any] | None) -> dict[str, Any]:
+    """The step's max allocated and what stays allocated after it, each the largest over ranks and
+    above what the process's earlier runs left allocated (every configuration runs the same
+    sequence); the gradient dump's buffers are not counted (``train_gpt_fsdp``)."""
+    if not run or not run.get("steps"):
+        return {"max_allocated_bytes": None, "allocated_bytes": None}
+    base = run["summary"]["mem_baseline_bytes"]
+    return {"max_allocated_bytes": run["summary"]["peak_mem_above_baseline_bytes"],
+            "allocated_bytes": run["steps"][-1]["allocated_bytes"] - base}
 
 
 def groups(layouts: list[str]) -> list[tuple[str, list[str]]]:
@@ -280,14 +313,15 @@ def campaign(args: argparse.Namespace) -> int:
             if time.time() - args.t0 > args.deadline:
                 print(f"skipped {release} at {ranks} ranks: past the deadline", flush=True)
                 continue
-            jobs = [(tag, names, config) for tag, names in groups(layouts) for config in CONFIGS]
+            here = layouts_for(release, layouts)
+            jobs = [(tag, names, config) for tag, names in groups(here) for config in CONFIGS]
             with ThreadPoolExecutor(max(1, args.max_ranks // ranks)) as pool:
                 done = list(pool.map(lambda job, release=release, ranks=ranks: run_process(
                     args, scratch, release, ranks, job[2], job[1], job[0]), jobs))
             procs = {f"{name}.{config}": proc for (_, names, config), proc in zip(jobs, done, strict=True)
                      for name in names}
             logs += [scratch / "logs" / proc["name"] for proc in done]
-            new = records(args, scratch, release, ranks, layouts, procs)
+            new = records(args, scratch, release, ranks, here, procs)
             with jsonl.open("a") as f:
                 f.writelines(json.dumps(r) + "\n" for r in new)
             write_logs(out / f"many_ranks_logs_{args.releases.replace(',', '-')}.txt.gz", logs)
@@ -332,6 +366,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--fp64", choices=("on", "off"), default="on",
+                   help="the fp64 oracle of the dense layouts without MTP (rank 0 runs every rank's micro-batches)")
     p.add_argument("--mcore-root", default="/tmp/gp", help="the GPU kit's install root (mcXXYY per release)")
     p.add_argument("--scratch", default="/tmp/shared_gpu_parity")
     p.add_argument("--max-ranks", type=int, default=12,

@@ -17,7 +17,9 @@ from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "many_ranks_h200.jsonl"
-LAYOUT_ORDER = ("untied", "tied", "tied_mtp", "moe", "moe_ep")
+LAYOUT_ORDER = ("untied", "tied", "tied_mtp", "moe", "moe_ep", "tied_mtp_fine_gather", "moe_fine_gather")
+# The parity model unless a record says otherwise (parity.py's defaults).
+DEFAULT_MODEL = {"layers": 2, "hidden": 256, "seq": 256, "vocab": 8192}
 STRATEGY_ORDER = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 MIB = 2**20
 
@@ -30,8 +32,17 @@ def _index(order: tuple[str, ...], value: str) -> int:
     return order.index(value) if value in order else len(order)
 
 
+def model_tag(r: dict[str, Any]) -> str:
+    """"" for the parity model, else its size (``hidden 1024, vocab 32000, seq 1024, 4 layers``)."""
+    model = {**DEFAULT_MODEL, **(r.get("model") or {})}
+    if r.get("kind") == "memory" or model == DEFAULT_MODEL:
+        return ""
+    return f"hidden {model['hidden']}, vocab {model['vocab']}, seq {model['seq']}, {model['layers']} layers"
+
+
 def sort_key(r: dict[str, Any]) -> tuple:
-    return (r.get("kind", "parity"), r["entry"], tuple(int(x) for x in r["release"].split(".")), r["ranks"],
+    return (r.get("kind", "parity"), r["entry"], model_tag(r), tuple(int(x) for x in r["release"].split(".")),
+            r["ranks"],
             _index(LAYOUT_ORDER, r.get("layout", "")), _index(STRATEGY_ORDER, r.get("strategy", "")),
             r.get("order") if r.get("order") is not None else -1, r.get("config", ""))
 
@@ -70,20 +81,45 @@ def _off_check(off: dict[str, Any] | None) -> str:
     return f"{off['max_rel_err_vs_off_no_shard']:.1e}" + (f" ({far:.2f}x)" if abs(far - 1.0) > 0.01 else "")
 
 
+def _over(r: dict[str, Any] | None, off: dict[str, Any] | None, key: str) -> str:
+    if not r or not off or r.get(key) is None or off.get(key) is None:
+        return "-"
+    return f"{(r[key] - off[key]) / MIB:+.1f}"
+
+
+def memory_vs_off(r: dict[str, Any] | None, off: dict[str, Any] | None) -> str:
+    """MiB over fusion off: what stays allocated after the step, and the step's max allocated."""
+    if not r or not off or off.get("max_allocated_bytes") is None:
+        return "-"
+    return f"{_over(r, off, 'allocated_bytes')} / {_over(r, off, 'max_allocated_bytes')}"
+
+
 def parity_markdown(records: Iterable[dict[str, Any]]) -> str:
-    cases: dict[tuple, dict[str, dict[str, Any]]] = {}
+    """One table per model size; memory columns where the records have it (MiB over fusion off:
+    allocated after the step / max allocated, each above what the process's earlier runs left)."""
+    tables: dict[str, dict[tuple, dict[str, dict[str, Any]]]] = {}
     for r in sorted(records, key=sort_key):
-        cases.setdefault((r["entry"], r["release"], r["ranks"], r["layout"], r["strategy"]), {})[r["config"]] = r
-    lines = ["| release | ranks | case | strategy | gemm-patch vs reference | upstream vs reference "
-             "| fusion off vs no_shard's | gemm-patch vs fp64 | off vs fp64 | verdict |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+        tables.setdefault(model_tag(r), {}).setdefault(
+            (r["entry"], r["release"], r["ranks"], r["layout"], r["strategy"]), {})[r["config"]] = r
+    return "\n".join(_parity_table(tag, cases) for tag, cases in tables.items())
+
+
+def _parity_table(tag: str, cases: dict[tuple, dict[str, dict[str, Any]]]) -> str:
+    # Memory columns only where a record of this table holds memory (older records do not).
+    memory = any(r.get("max_allocated_bytes") is not None for by in cases.values() for r in by.values())
+    lines = [f"Model: {tag}.", ""] if tag else []
+    lines += ["| release | ranks | case | strategy | gemm-patch vs reference | upstream vs reference "
+              "| fusion off vs no_shard's | gemm-patch vs fp64 | off vs fp64 | "
+              + ("memory vs fusion off: gemm-patch | upstream | " if memory else "") + "verdict |",
+              "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if memory else "") + "---|"]
     for (_, release, ranks, layout, strategy), by in cases.items():
         patched, upstream, off = by.get("patched"), by.get("upstream"), by.get("fusion_off")
+        mem = f"{memory_vs_off(patched, off)} | {memory_vs_off(upstream, off)} | " if memory else ""
         lines.append(f"| {release} | {ranks} | {layout} | {strategy} | "
                      f"{_err(_vs_reference(patched or {}))} | {_err(_vs_reference(upstream or {}))} | "
                      f"{_off_check(off)} | "
                      f"{_err((patched or {}).get('max_rel_err_vs_fp64'))} | "
-                     f"{_err((off or {}).get('max_rel_err_vs_fp64'))} | {parity_verdict(patched, upstream)} |")
+                     f"{_err((off or {}).get('max_rel_err_vs_fp64'))} | {mem}{parity_verdict(patched, upstream)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -121,7 +157,7 @@ def record_key(r: dict[str, Any]) -> tuple:
     if r.get("kind") == "memory":
         return ("memory", r["entry"], r["release"], r["ranks"], r["case"], r["config"], r.get("alone"),
                 r.get("order"), bool(r.get("memory_history")))
-    return ("parity", r["entry"], r["release"], r["ranks"], r["layout"], r["strategy"], r["config"])
+    return ("parity", r["entry"], model_tag(r), r["release"], r["ranks"], r["layout"], r["strategy"], r["config"])
 
 
 def markdown(records: list[dict[str, Any]]) -> str:
@@ -134,7 +170,9 @@ def markdown(records: list[dict[str, Any]]) -> str:
              "under the same strategy, checked against fusion off under no_shard (all-reduce only; "
              "\"fusion off vs no_shard's\", with the norm ratio where it is off): where that check fails, "
              "the reference is fusion off under no_shard. \"-\" in that column: no_shard itself, or a record "
-             "made before the check.", ""]
+             "made before the check. Memory: MiB over fusion off, what stays allocated after step 1 / its "
+             "max allocated (each the largest over ranks, above what the process's earlier runs left "
+             "allocated; the gradient dump's buffers not counted), in the tables whose records hold it.", ""]
     if parity:
         parts += ["## Gradient parity", "", parity_markdown(parity)]
     if memory:

@@ -252,3 +252,88 @@ def test_committed_table_is_made_from_the_committed_records():
     if not table.RESULTS.exists():
         pytest.skip("no many-rank records committed yet")
     assert table.RESULTS.with_suffix(".md").read_text() == table.markdown(table.load(table.RESULTS))
+
+
+FINE_GATHER_CHILD = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from validation.parity.gpt_model import build_configs
+run = {"main_grads_dtype": "fp32", "hidden": 64, "layers": 1, "fusion": "on", "sharding": "optim_grads",
+       "lr": 1e-4, "adam_beta2": 0.95, "fine_grained_param_gather": "on"}
+try:
+    _, ddp, _ = build_configs(run)
+    print("RESULT" + json.dumps({"flag": ddp.megatron_fsdp_enable_fine_grained_param_gather}))
+except ValueError as exc:
+    print("RESULT" + json.dumps({"error": str(exc)}))
+"""
+
+
+@pytest.mark.parametrize("rel, has_it", [("megatron-core==0.19.2", True), ("megatron-core==0.17.1", False)])
+def test_fine_grained_gather_reaches_the_real_ddp_config_or_says_the_release_lacks_it(rel, has_it):
+    """The layouts with fine-grained gather run only where the release has the field; the
+    harness's config sets megatron-core's own field there, and elsewhere refuses by name."""
+    import os
+    import subprocess
+
+    from compat import matrix
+
+    try:
+        tree = matrix.ensure_release(matrix.select([rel])[0])
+    except subprocess.CalledProcessError as exc:  # no registry: nothing to test against
+        pytest.skip(f"{rel} could not be installed: {exc.stderr[-300:]}")
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", FINE_GATHER_CHILD, str(root)], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(tree)}, timeout=300, cwd=root)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    out = json.loads(lines[-1][len("RESULT"):])
+    version = rel.split("==")[1]
+    assert (parity.layouts_for(version, ["tied_mtp_fine_gather", "tied"]) == ["tied_mtp_fine_gather", "tied"]) \
+        is has_it
+    if has_it:
+        assert out == {"flag": True}
+    else:
+        assert "megatron_fsdp_enable_fine_grained_param_gather" in out["error"]
+
+
+def test_plan_and_records_carry_fine_grained_gather_and_memory(tmp_path):
+    """A fine-grained layout's runs set the run key; its records say whether Megatron-FSDP's hook
+    was on and hold each configuration's memory above its process's baseline, which the table
+    shows against fusion off's."""
+    args = parity.parse_args(["--out", str(tmp_path), "--layouts", "tied_mtp_fine_gather", "--strategies",
+                              "optim_grads", "--fp64", "off"])
+    runs = parity.plan(args, tmp_path, "0.19.2", 2, "fusion_off", ["tied_mtp_fine_gather", "tied"])
+    assert [r["name"] for r in runs] == ["tied_mtp_fine_gather.optim_grads", "tied.optim_grads"]  # no fp64
+    assert runs[0]["fine_grained_param_gather"] == "on" and "fine_grained_param_gather" not in runs[1]
+    gen = torch.Generator().manual_seed(2)
+    off = {"embedding.word_embeddings.weight": torch.randn(64, 16, generator=gen)}
+    for config in parity.CONFIGS:
+        _save(parity.dump_file(tmp_path, "0.19.2", 2, config, "tied_mtp_fine_gather", "optim_grads"), off)
+
+    def part(peak_mib: int) -> dict:
+        run = {"name": "tied_mtp_fine_gather.optim_grads", "fine_grained_param_gather_hook": True,
+               "summary": {"mem_baseline_bytes": 10 * table.MIB, "peak_mem_above_baseline_bytes": peak_mib * table.MIB},
+               "steps": [{"allocated_bytes": 60 * table.MIB}]}
+        return {"gpu": "NVIDIA H200", "versions": {"megatron_core": "0.19.2"}, "runs": [run]}
+
+    procs = {f"tied_mtp_fine_gather.{c}": {"rc": 0, "part": part(p)}
+             for c, p in (("fusion_off", 100), ("patched", 100), ("upstream", 228))}
+    by = {r["config"]: r for r in parity.records(args, tmp_path, "0.19.2", 2, ["tied_mtp_fine_gather"], procs)}
+    assert by["patched"]["fine_grained_param_gather"] is True and by["patched"]["passed"] is True
+    assert by["patched"]["allocated_bytes"] == 50 * table.MIB
+    assert table.memory_vs_off(by["patched"], by["fusion_off"]) == "+0.0 / +0.0"
+    assert table.memory_vs_off(by["upstream"], by["fusion_off"]) == "+0.0 / +128.0"
+    md = table.parity_markdown(by.values())
+    assert "| 0.19.2 | 2 | tied_mtp_fine_gather | optim_grads | 0.0e+00 |" in md and "+0.0 / +128.0" in md
+
+
+def test_a_larger_model_is_its_own_measurement_and_its_own_table():
+    rec = {"entry": "train_gpt_fsdp", "release": "0.19.2", "ranks": 2, "layout": "tied", "strategy": "optim",
+           "config": "patched", "max_rel_err_vs_off": 1e-3, "passed": True, "bound": parity.BOUND,
+           "model": dict(table.DEFAULT_MODEL)}
+    big = {**rec, "model": {"layers": 4, "hidden": 1024, "seq": 1024, "vocab": 32000}}
+    assert table.record_key(rec) != table.record_key(big)
+    md = table.parity_markdown([rec, big])
+    assert md.count("| release | ranks |") == 2
+    assert "Model: hidden 1024, vocab 32000, seq 1024, 4 layers." in md
+    assert "memory vs fusion off" not in md  # records without memory: no memory columns

@@ -89,7 +89,7 @@ RECORD_KEYS = ("entry", "release", "ranks", "layout", "strategy", "tied", "mtp",
                "max_rel_err_vs_off", "worst_param_vs_off", "reference", "max_rel_err_vs_reference",
                "max_rel_err_vs_off_no_shard", "max_rel_err_vs_fp64", "passed", "bound", "control",
                "error", "megatron_core", "transformer_engine", "device", "one_gpu",
-               "max_allocated_bytes", "allocated_bytes")
+               "max_allocated_bytes", "allocated_bytes", "previous_run")
 SHAPE_KEYS = ("tied", "mtp_layers", "moe_experts", "fine_grained_param_gather")
 
 
@@ -115,25 +115,27 @@ def dump_file(scratch: Path, release: str, ranks: int, config: str, layout: str,
 def plan(args: argparse.Namespace, scratch: Path, release: str, ranks: int, config: str,
          layouts: list[str]) -> list[dict[str, Any]]:
     """The runs of one process: every layout of ``layouts`` (all with the same expert parallelism)
-    under every strategy, one step each; the fp64 oracle first in the fusion-off process."""
+    under every strategy, one step each; the fp64 oracles last in the fusion-off process, so every
+    configuration's training runs follow the same runs (what a run leaves allocated is in the
+    next one's baseline)."""
     model = {"layers": args.layers, "hidden": args.hidden, "seq": args.seq, "vocab": args.vocab,
              "micro_batch_size": 2, "micro_batches": 4, "steps": 1, "lr": 1e-4, "main_grads_dtype": "fp32",
              "fusion": "off" if config == "fusion_off" else "on"}
     wgrad_rule = upstream_control(release)[1] if config == "upstream" else None
-    runs = []
+    runs, oracles = [], []
     for layout in layouts:
         lay = LAYOUTS[layout]
         shape = {k: lay[k] for k in SHAPE_KEYS if k in lay}
         if lay.get("ep_is_dp"):
             shape["ep"] = ranks
         if config == "fusion_off" and layout in FP64_LAYOUTS and args.fp64 == "on":
-            runs.append({**model, **shape, "name": f"{layout}.fp64", "mode": "fp64",
-                         "grad_dump": str(dump_file(scratch, release, ranks, config, layout, "fp64"))})
+            oracles.append({**model, **shape, "name": f"{layout}.fp64", "mode": "fp64",
+                            "grad_dump": str(dump_file(scratch, release, ranks, config, layout, "fp64"))})
         for strategy in args.strategies.split(","):
             runs.append({**model, **shape, "name": f"{layout}.{strategy}", "mode": "train", "sharding": strategy,
                          "grad_dump": str(dump_file(scratch, release, ranks, config, layout, strategy)),
                          **({"wgrad_rule": wgrad_rule} if wgrad_rule else {})})
-    return runs
+    return runs + oracles
 
 
 def process_env(args: argparse.Namespace, release: str, config: str) -> dict[str, str]:
@@ -235,7 +237,7 @@ def records(args: argparse.Namespace, scratch: Path, release: str, ranks: int, l
                 vs_ref = compare_dumps(got, ref, cache) if config != "fusion_off" else None
                 vs_fp64 = compare_dumps(got, fp64, cache) if fp64 is not None else None
                 proc = procs.get(f"{layout}.{config}") or {}
-                run = _run(proc.get("part"), f"{layout}.{strategy}")
+                run, previous = _run(proc.get("part"), f"{layout}.{strategy}")
                 failed = _failed_run(run)
                 error = failed or (None if got.exists() else f"no gradient dump (process rc={proc.get('rc')})")
                 check = off_check if config == "fusion_off" else None
@@ -261,7 +263,7 @@ def records(args: argparse.Namespace, scratch: Path, release: str, ranks: int, l
                     "megatron_core": versions.get("megatron_core"),
                     "transformer_engine": versions.get("transformer_engine"),
                     "device": part.get("gpu"), "one_gpu": True, "micro_batches": 4,
-                    **_memory(run),
+                    **_memory(run), "previous_run": previous,
                     "model": {k: getattr(args, k) for k in ("layers", "hidden", "seq", "vocab")},
                 })
     for path in (scratch / "dumps" / release / f"dp{ranks}").rglob("*.pt"):
@@ -269,8 +271,14 @@ def records(args: argparse.Namespace, scratch: Path, release: str, ranks: int, l
     return out
 
 
-def _run(part: dict[str, Any] | None, name: str) -> dict[str, Any] | None:
-    return next((run for run in (part or {}).get("runs", []) if run.get("name") == name), None)
+def _run(part: dict[str, Any] | None, name: str) -> tuple[dict[str, Any] | None, str | None]:
+    """The run ``name`` of a process and the name of the run before it (its memory baseline holds
+    what that one left allocated)."""
+    runs = (part or {}).get("runs", [])
+    for i, run in enumerate(runs):
+        if run.get("name") == name:
+            return run, runs[i - 1].get("name") if i else None
+    return None, None
 
 
 def _failed_run(run: dict[str, Any] | None) -> str | None:

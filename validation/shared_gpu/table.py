@@ -91,6 +91,8 @@ def memory_vs_off(r: dict[str, Any] | None, off: dict[str, Any] | None) -> str:
     """MiB over fusion off: what stays allocated after the step, and the step's max allocated."""
     if not r or not off or off.get("max_allocated_bytes") is None:
         return "-"
+    if r.get("previous_run") != off.get("previous_run"):
+        return "- (order)"  # different runs before: different baselines
     return f"{_over(r, off, 'allocated_bytes')} / {_over(r, off, 'max_allocated_bytes')}"
 
 
@@ -172,7 +174,9 @@ def markdown(records: list[dict[str, Any]]) -> str:
              "the reference is fusion off under no_shard. \"-\" in that column: no_shard itself, or a record "
              "made before the check. Memory: MiB over fusion off, what stays allocated after step 1 / its "
              "max allocated (each the largest over ranks, above what the process's earlier runs left "
-             "allocated; the gradient dump's buffers not counted), in the tables whose records hold it.", ""]
+             "allocated; the gradient dump's buffers not counted), in the tables whose records hold it; "
+             "\"- (order)\": fusion off's process ran another run before this one (the fp64 oracle), so its "
+             "baseline is not the same.", ""]
     if parity:
         parts += ["## Gradient parity", "", parity_markdown(parity)]
     if memory:

@@ -204,10 +204,14 @@ def test_fusion_off_runs_megatron_alone_and_the_fused_configurations_under_the_s
     upstream = parity.process_env(args, "0.17.1", "upstream")
     assert upstream["GEMM_PATCH_AUTO"] == "1" and "fsdp-one-rank-scale" in upstream["GEMM_PATCH_DISABLE"]
 
-def test_plan_puts_the_fp64_oracle_first_and_expert_parallel_equal_to_ranks(tmp_path):
+def test_plan_puts_the_fp64_oracles_last_and_expert_parallel_equal_to_ranks(tmp_path):
     args = parity.parse_args(["--out", str(tmp_path), "--layouts", "tied_mtp,tied,moe_ep"])
-    runs = parity.plan(args, tmp_path, "0.17.1", 4, "fusion_off", ["tied"])
-    assert runs[0]["mode"] == "fp64" and [r["sharding"] for r in runs[1:]] == list(parity.STRATEGIES)
+    runs = parity.plan(args, tmp_path, "0.17.1", 4, "fusion_off", ["untied", "tied"])
+    patched = parity.plan(args, tmp_path, "0.17.1", 4, "patched", ["untied", "tied"])
+    # every configuration's training runs in the same order, each after the same run
+    assert [r["name"] for r in runs[:-2]] == [r["name"] for r in patched]
+    assert [r["name"] for r in runs[-2:]] == ["untied.fp64", "tied.fp64"]
+    assert [r["sharding"] for r in runs[:4]] == list(parity.STRATEGIES)
     ep = parity.plan(args, tmp_path, "0.17.1", 4, "upstream", ["moe_ep"])
     assert {r["ep"] for r in ep} == {4} and {r["wgrad_rule"] for r in ep} == {"overwrite"}
     assert all(r["fusion"] == "on" and r["micro_batches"] == 4 and r["steps"] == 1 for r in ep)
@@ -325,6 +329,35 @@ def test_plan_and_records_carry_fine_grained_gather_and_memory(tmp_path):
     assert table.memory_vs_off(by["upstream"], by["fusion_off"]) == "+0.0 / +128.0"
     md = table.parity_markdown(by.values())
     assert "| 0.19.2 | 2 | tied_mtp_fine_gather | optim_grads | 0.0e+00 |" in md and "+0.0 / +128.0" in md
+    assert by["patched"]["previous_run"] is None
+
+
+def test_memory_is_not_compared_where_the_runs_before_differ(tmp_path):
+    """What a run leaves allocated is in the next run's baseline: after a different run (fusion
+    off's fp64 oracle, where it ran first) the two baselines differ and the table says so
+    instead of showing a difference that is not the configuration's."""
+    args = parity.parse_args(["--out", str(tmp_path), "--layouts", "untied", "--strategies", "no_shard,optim"])
+    off = {"decoder.layers.0.mlp.linear_fc1.weight": torch.ones(8, 8)}
+    for config in parity.CONFIGS:
+        for strategy in ("no_shard", "optim"):
+            _save(parity.dump_file(tmp_path, "0.17.1", 4, config, "untied", strategy), off)
+
+    def run(name: str, base_mib: int) -> dict:
+        return {"name": name, "summary": {"mem_baseline_bytes": base_mib * table.MIB,
+                                          "peak_mem_above_baseline_bytes": (300 - base_mib) * table.MIB},
+                "steps": [{"allocated_bytes": 300 * table.MIB}]}
+
+    # fusion off ran the oracle first: it left 96 MiB that the first training run then did not allocate
+    off_part = {"runs": [run("untied.fp64", 96), run("untied.no_shard", 96), run("untied.optim", 96)]}
+    fused = {"runs": [run("untied.no_shard", 0), run("untied.optim", 96)]}
+    procs = {"untied.fusion_off": {"rc": 0, "part": off_part}, "untied.patched": {"rc": 0, "part": fused},
+             "untied.upstream": {"rc": 0, "part": fused}}
+    recs = parity.records(args, tmp_path, "0.17.1", 4, ["untied"], procs)
+    by = {(r["config"], r["strategy"]): r for r in recs}
+    assert by[("fusion_off", "no_shard")]["previous_run"] == "untied.fp64"
+    assert by[("patched", "no_shard")]["previous_run"] is None
+    assert table.memory_vs_off(by[("patched", "no_shard")], by[("fusion_off", "no_shard")]) == "- (order)"
+    assert table.memory_vs_off(by[("patched", "optim")], by[("fusion_off", "optim")]) == "+0.0 / +0.0"
 
 
 def test_a_larger_model_is_its_own_measurement_and_its_own_table():

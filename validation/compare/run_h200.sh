@@ -66,7 +66,7 @@ print(shlex.join(args))
 PY
 }
 
-launcher() {  # 1 rank: torchrun; 2 ranks: both on GPU 0 through NCCL's socket transport
+launcher() {  # 1 rank: torchrun; N > 1 ranks: all on GPU 0 through NCCL's socket transport (cases ending _4, _8)
     if [ "$1" = 1 ]; then echo "$PY -m torch.distributed.run --standalone --nproc-per-node 1"
     else echo "$PY -m torch.distributed.run --no-python --nproc-per-node $1 --master-port $PORT $DEVKIT/rank_on_gpu0.sh $PY"
     fi

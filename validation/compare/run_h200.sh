@@ -14,7 +14,8 @@
 #                   naming the parameter (the tied embedding)
 #   fixes_off_2     the same on 2 ranks
 #   tied_mtp_N      dense_tied_N with one MTP layer (rope): the tied output layer is used twice per
-#                   backward, into a fresh gradient bucket at 2 ranks: same (REL=0.15.3 too)
+#                   backward, into a fresh gradient bucket at 2 ranks: same (REL=0.15.3 too); at 8
+#                   ranks each rank takes one micro-batch of 1 (global batch 8 at every rank count)
 #   tied_mtp_fixes_off_N   the same with the correctness fixes off: differs (exit 1): at iteration 1, or,
 #                   on 0.14-0.15, the fused run fails with megatron's own error (its hook freed the bucket)
 #   moe_1           4 experts, top-2, grouped GEMM, Megatron-FSDP optim_grads, untied, 1 rank: not "differs"
@@ -50,12 +51,16 @@ nvidia-smi --query-gpu=name --format=csv,noheader > "$OUT/device.txt" 2>&1
 
 # pretrain_gpt.py's flags, from the benchmark (one definition of the model): dense or moe
 model_args() {
-    "$PY" - "$REL" "$ITERS" "$1" <<'PY'
+    "$PY" - "$REL" "$ITERS" "$1" "$2" <<'PY'
 import os, shlex, sys
 from benchmarks import pretrain_gpt_bench as bench  # ROOT is on PYTHONPATH
-release, iters, kind = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+release, iters, kind, ranks = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 bench.prepare_kit(release, os.environ["KIT"])  # the no-op Makefile megatron's initialize wants
-args = bench.pretrain_args(release, bench.SIZES["hidden2048"], kind != "moe", iters) + ["--log-interval", "1"]
+size = dict(bench.SIZES["hidden2048"])
+# the same global batch at every rank count: fewer micro-batches per rank, then smaller ones
+# (megatron wants the global batch divisible by micro-batch x data-parallel ranks)
+size["mbs"] = max(1, min(size["mbs"], size["gbs"] // ranks))
+args = bench.pretrain_args(release, size, kind != "moe", iters) + ["--log-interval", "1"]
 if kind == "mtp":  # the tied output layer used twice per backward: the main model and the MTP layer
     args += ["--mtp-num-layers", "1", "--position-embedding-type", "rope"]
 if kind == "moe":
@@ -82,7 +87,7 @@ for case in $CASES; do
         moe_*) kind=moe; env=(); expect="not differs" ;;
         *) echo "run_h200.sh: unknown case $case (dense_tied_N, fixes_off_N, tied_mtp_N, tied_mtp_fixes_off_N, moe_1)"; exit 2 ;;
     esac
-    read -r -a args <<< "$(model_args $kind)"
+    read -r -a args <<< "$(model_args $kind "$ranks")"
     [ "${#args[@]}" -gt 10 ] || { echo "run_h200.sh: could not build pretrain_gpt.py's flags"; exit 2; }
     read -r -a launch <<< "$(launcher "$ranks")"
     rm -rf "$OUT/logs/$case"

@@ -404,3 +404,24 @@ def test_a_whole_factor_between_the_runs_is_named_with_its_known_cause():
     assert "whole factor" not in compare_params.describe(row(1.0, 1.37), 2)
     assert "whole factor" not in compare_params.describe(row(1.0, 1.001), 2)  # within the bound
     assert compare_params.whole_factor(1.0, 3.01) is None and compare_params.whole_factor(0.0, 2.0) is None
+
+
+def test_a_parameter_judged_on_one_rank_counts_and_one_without_gradient_anywhere_is_said():
+    """Under a sharded strategy a rank may hold no block of a parameter: judged where another rank
+    holds it. A parameter neither run gave a gradient on any rank is not among "each parameter": the
+    verdict's text says so; a lost one on the rank that holds it still differs."""
+    from gemm_patch.commands import compare_params
+
+    def rec(a_on_rank1):
+        def one(rank, values, without):
+            return {"rank": rank, "parameters": {n: {"numel": 4, "norm": v, "projections": [v] * 8}
+                                                 for n, v in values.items()},
+                    "without_gradient": without}
+        return {0: one(0, {}, ["a", "b"]), 1: one(1, {"a": a_on_rank1}, ["b"])}
+
+    same = compare_params.judge_parameters(rec(1.0), rec(1.0), [])
+    assert same["judged"] and same["count"] == 1 and same["parameters"] == 1 and not same["differs"]
+    assert same["without_gradient_anywhere"] == ["b"]
+    assert compare_params.unjudged(same) == "; 1 parameter without a gradient on any rank in either run, not judged (b)"
+    lost = compare_params.judge_parameters(rec(0.5), rec(1.0), [])
+    assert [r["parameter"] for r in lost["differs"]] == ["a"]

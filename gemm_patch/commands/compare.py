@@ -252,7 +252,9 @@ def render(runs: Sequence[Run], result: dict[str, Any], out: TextIO) -> None:
     params = result.get("parameters")
     if params:
         if params["judged"]:
-            print(f"\nper parameter at iteration 1 ({params['count']} judged, bound max(2^-7, 3 x noise)); worst: "
+            count = params.get("parameters", params["count"])
+            blocks = f", {params['count']} records over the ranks" if params["count"] != count else ""
+            print(f"\nper parameter at iteration 1 ({count} judged{blocks}, bound max(2^-7, 3 x noise)); worst: "
                   f"{compare_params.describe(params['worst'], _ranks(on))}", file=out)
         else:
             print(f"\nper parameter: global values only: {params['why']}", file=out)

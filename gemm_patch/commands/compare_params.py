@@ -76,8 +76,15 @@ def judge_parameters(on: dict[int, dict[str, Any]], off: dict[int, dict[str, Any
     unseen = sorted({n for rec in on.values() for n in rec.get("without_gradient", [])})
     if not rows:
         return {"judged": False, "why": f"the probe could place no parameter ({_first(unplaced)})"}
+    # Under a sharded strategy a rank may hold no block of a parameter (no gradient there), so a
+    # parameter counts as judged where any rank judged it; one that no rank judged in either run
+    # (no gradient anywhere) is said, not counted among "each parameter".
+    judged = {r["parameter"] for r in rows}
+    nowhere = sorted({n for records in (on, off) for rec in records.values() for n in rec.get("without_gradient", [])}
+                     - judged - set(unplaced))
     worst = max(rows, key=lambda r: (r["rel"] / r["bound"], r["numel"]))
-    return {"judged": True, "count": len(rows), "worst": worst, "without_gradient": unseen,
+    return {"judged": True, "count": len(rows), "parameters": len(judged), "worst": worst,
+            "without_gradient": unseen, "without_gradient_anywhere": nowhere,
             "not_recorded": unplaced, "differs": [r for r in rows if r["rel"] > r["bound"]]}
 
 
@@ -87,12 +94,21 @@ def _first(unplaced: dict[str, str]) -> str:
 
 
 def unjudged(params: dict[str, Any]) -> str:
-    """What a judged result left to the global values ('' when nothing)."""
-    unplaced = params.get("not_recorded") or {}
-    if not params.get("judged") or not unplaced:
+    """What a judged result left to the global values, and the parameters no run gave a gradient
+    ('' when nothing)."""
+    if not params.get("judged"):
         return ""
-    plural = "s" if len(unplaced) > 1 else ""
-    return f"; {len(unplaced)} parameter{plural} by the global values only ({_first(unplaced)})"
+    unplaced = params.get("not_recorded") or {}
+    nowhere = params.get("without_gradient_anywhere") or []
+    text = ""
+    if unplaced:
+        plural = "s" if len(unplaced) > 1 else ""
+        text += f"; {len(unplaced)} parameter{plural} by the global values only ({_first(unplaced)})"
+    if nowhere:
+        plural = "s" if len(nowhere) > 1 else ""
+        text += (f"; {len(nowhere)} parameter{plural} without a gradient on any rank in either run, not judged "
+                 f"({nowhere[0]}{', ...' if len(nowhere) > 1 else ''})")
+    return text
 
 
 # How close a norm ratio must be to a whole number to be called one (bf16 rounding moves it ~1e-4).

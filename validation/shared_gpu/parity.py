@@ -25,7 +25,7 @@ parallel layout per process).
 
 Each finished (release, ranks) appends one JSON record per case and configuration to
 ``OUT/many_ranks.jsonl`` (``RECORD_KEYS``), so a run cut short keeps what it finished;
-``--merge OUT/many_ranks.jsonl`` adds them to ``validation/results/many_ranks_h200.jsonl``
+``--merge OUT/many_ranks.jsonl`` adds them to ``validation/results/many_ranks.jsonl``
 and rewrites its table (``validation.shared_gpu.table``).
 
 The rule is the parity campaigns' (validation/README.md, "Rules the comparisons use"): per
@@ -54,7 +54,7 @@ from validation.shared_gpu.launch import launch
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "validation" / "parity" / "train_gpt_fsdp.py"
-RESULTS = ROOT / "validation" / "results" / "many_ranks_h200.jsonl"
+RESULTS = ROOT / "validation" / "results" / "many_ranks.jsonl"
 BOUND = run_coverage.BOUND
 ENTRY = "train_gpt_fsdp"
 

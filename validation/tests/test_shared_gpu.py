@@ -246,10 +246,13 @@ def test_merge_replaces_the_same_measurement_and_writes_the_table(tmp_path):
            "config": "patched", "max_rel_err_vs_off": 0.5, "passed": False, "bound": parity.BOUND}
     results, new = tmp_path / "r.jsonl", tmp_path / "n.jsonl"
     results.write_text(json.dumps(rec) + "\n")
-    new.write_text(json.dumps({**rec, "max_rel_err_vs_off": 1e-3, "passed": True}) + "\n")
+    new.write_text(json.dumps({**rec, "max_rel_err_vs_off": 1e-3, "passed": True,
+                               "device": "NVIDIA H100 80GB HBM3"}) + "\n")
     parity.merge([new], results)
     assert [r["passed"] for r in table.load(results)] == [True]
-    assert "| 0.17.1 | 2 | tied | optim | 1.0e-03 |" in results.with_suffix(".md").read_text()
+    # each row names the GPU its records ran on
+    assert "| H100 | 0.17.1 | 2 | tied | optim | 1.0e-03 |" in results.with_suffix(".md").read_text()
+    assert table.gpu({"device": "NVIDIA H200"}) == "H200" and table.gpu({}) == "-"
 
 
 def test_committed_table_is_made_from_the_committed_records():

@@ -231,7 +231,7 @@ def records(args: argparse.Namespace, scratch: Path, release: str, ranks: int, l
             fp64 = (dump_file(scratch, release, ranks, "fusion_off", layout, "fp64")
                     if layout in FP64_LAYOUTS and args.fp64 == "on" else None)
             reference, ref, off_check = reference_of(scratch, release, ranks, layout, strategy, cache)
-            for config in CONFIGS:
+            for config in args.configs.split(","):
                 got = dump_file(scratch, release, ranks, config, layout, strategy)
                 vs_off = compare_dumps(got, off, cache) if config != "fusion_off" else None
                 vs_ref = compare_dumps(got, ref, cache) if config != "fusion_off" else None
@@ -322,7 +322,7 @@ def campaign(args: argparse.Namespace) -> int:
                 print(f"skipped {release} at {ranks} ranks: past the deadline", flush=True)
                 continue
             here = layouts_for(release, layouts)
-            jobs = [(tag, names, config) for tag, names in groups(here) for config in CONFIGS]
+            jobs = [(tag, names, config) for tag, names in groups(here) for config in args.configs.split(",")]
             with ThreadPoolExecutor(max(1, args.max_ranks // ranks)) as pool:
                 done = list(pool.map(lambda job, release=release, ranks=ranks: run_process(
                     args, scratch, release, ranks, job[2], job[1], job[0]), jobs))
@@ -370,6 +370,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ranks", default="2,4,8", help="data-parallel ranks, all on GPU 0")
     p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"some of {', '.join(LAYOUTS)}")
     p.add_argument("--strategies", default=",".join(STRATEGIES))
+    p.add_argument("--configs", default=",".join(CONFIGS),
+                   help=f"some of {', '.join(CONFIGS)}; fusion_off always (every record is judged against it)")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--seq", type=int, default=256)
@@ -392,6 +394,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = set(args.layouts.split(",")) - set(LAYOUTS)
     if unknown:
         p.error(f"unknown layouts {sorted(unknown)}; known: {', '.join(LAYOUTS)}")
+    configs = args.configs.split(",")
+    if set(configs) - set(CONFIGS) or "fusion_off" not in configs:
+        p.error(f"--configs {args.configs!r}: give fusion_off and any of patched, upstream (known: {', '.join(CONFIGS)})")
+    args.configs = ",".join(c for c in CONFIGS if c in configs)
     args.t0 = time.time()
     return args
 

@@ -112,6 +112,28 @@ def test_records_pass_fusion_off_parity_and_catch_a_lost_embedding_gradient(tmp_
     assert not list(tmp_path.rglob("*.pt"))  # compared, then deleted
 
 
+def test_configs_run_only_those_named_and_always_fusion_off(tmp_path, capsys):
+    """``--configs fusion_off,upstream``: the upstream control alone (its reference with it), no
+    record for gemm-patch; a list without fusion off, or an unknown name, is refused."""
+    gen = torch.Generator().manual_seed(2)
+    off = {"decoder.layers.0.mlp.linear_fc1.weight": torch.randn(32, 16, generator=gen)}
+    _save(parity.dump_file(tmp_path, "0.19.2", 8, "fusion_off", "tied", "optim"), off)
+    _save(parity.dump_file(tmp_path, "0.19.2", 8, "upstream", "tied", "optim"), off)
+    args = parity.parse_args(["--out", str(tmp_path / "out"), "--scratch", str(tmp_path), "--layouts", "tied",
+                              "--strategies", "optim", "--configs", "upstream,fusion_off"])
+    assert args.configs == "fusion_off,upstream"
+    procs = {f"tied.{c}": {"rc": 0, "part": None} for c in ("fusion_off", "upstream")}
+
+    recs = parity.records(args, tmp_path, "0.19.2", 8, ["tied"], procs)
+
+    assert [r["config"] for r in recs] == ["fusion_off", "upstream"]
+    assert recs[1]["passed"] is True
+    for bad in ("patched,upstream", "fusion_off,fused"):
+        with pytest.raises(SystemExit):
+            parity.parse_args(["--out", "o", "--configs", bad])
+        assert "give fusion_off" in capsys.readouterr().err
+
+
 def test_records_fail_a_patched_run_that_lost_a_micro_batch_and_name_a_missing_dump(tmp_path):
     gen = torch.Generator().manual_seed(1)
     off = {"decoder.layers.0.mlp.linear_fc1.weight": torch.randn(32, 16, generator=gen)}

@@ -396,7 +396,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"unknown layouts {sorted(unknown)}; known: {', '.join(LAYOUTS)}")
     configs = args.configs.split(",")
     if set(configs) - set(CONFIGS) or "fusion_off" not in configs:
-        p.error(f"--configs {args.configs!r}: give fusion_off and any of patched, upstream (known: {', '.join(CONFIGS)})")
+        p.error(f"--configs {args.configs!r}: give fusion_off and any of patched, upstream "
+                f"(known: {', '.join(CONFIGS)})")
     args.configs = ",".join(c for c in CONFIGS if c in configs)
     args.t0 = time.time()
     return args

@@ -53,6 +53,15 @@ def gpu(r: dict[str, Any]) -> str:
     return words[0] if words else "-"
 
 
+def case_gpu(by: dict[str, dict[str, Any]]) -> str:
+    """The GPU of a case's records; where its configurations ran on different GPUs (a control run
+    again later), each configuration's ("H200; upstream H100": gemm-patch's and fusion off's first)."""
+    names = {config: gpu(r) for config, r in by.items()}
+    main = names.get("patched") or names.get("fusion_off") or next(iter(names.values()), "-")
+    others = [f"{config} {name}" for config, name in names.items() if name != main]
+    return "; ".join([main, *others])
+
+
 def _err(x: float | None) -> str:
     return "-" if x is None else f"{x:.1e}"
 
@@ -99,6 +108,8 @@ def memory_vs_off(r: dict[str, Any] | None, off: dict[str, Any] | None) -> str:
         return "-"
     if r.get("previous_run") != off.get("previous_run"):
         return "- (order)"  # different runs before: different baselines
+    if gpu(r) != gpu(off):
+        return "- (other GPU)"  # processes of different machines: no common baseline
     return f"{_over(r, off, 'allocated_bytes')} / {_over(r, off, 'max_allocated_bytes')}"
 
 
@@ -123,7 +134,7 @@ def _parity_table(tag: str, cases: dict[tuple, dict[str, dict[str, Any]]]) -> st
     for (_, release, ranks, layout, strategy), by in cases.items():
         patched, upstream, off = by.get("patched"), by.get("upstream"), by.get("fusion_off")
         mem = f"{memory_vs_off(patched, off)} | {memory_vs_off(upstream, off)} | " if memory else ""
-        lines.append(f"| {gpu(patched or off or upstream or {})} | {release} | {ranks} | {layout} | {strategy} | "
+        lines.append(f"| {case_gpu(by)} | {release} | {ranks} | {layout} | {strategy} | "
                      f"{_err(_vs_reference(patched or {}))} | {_err(_vs_reference(upstream or {}))} | "
                      f"{_off_check(off)} | "
                      f"{_err((patched or {}).get('max_rel_err_vs_fp64'))} | "
@@ -182,7 +193,8 @@ def markdown(records: list[dict[str, Any]]) -> str:
              "max allocated (each the largest over ranks, above what the process's earlier runs left "
              "allocated; the gradient dump's buffers not counted), in the tables whose records hold it; "
              "\"- (order)\": fusion off's process ran another run before this one (the fp64 oracle), so its "
-             "baseline is not the same.", ""]
+             "baseline is not the same; \"- (other GPU)\": the two ran on different machines. GPU: where a "
+             "case's configurations ran on different GPUs, each configuration's.", ""]
     if parity:
         parts += ["## Gradient parity", "", parity_markdown(parity)]
     if memory:

@@ -395,3 +395,13 @@ def test_a_larger_model_is_its_own_measurement_and_its_own_table():
     assert md.count("| release | ranks |") == 2
     assert "Model: hidden 1024, vocab 32000, seq 1024, 4 layers." in md
     assert "memory vs fusion off" not in md  # records without memory: no memory columns
+
+
+def test_case_of_two_gpus_names_each_and_compares_no_memory_across_them():
+    off = {"config": "fusion_off", "device": "NVIDIA H200", "allocated_bytes": 0, "max_allocated_bytes": 0}
+    patched = {**off, "config": "patched", "max_allocated_bytes": table.MIB}
+    upstream = {**off, "config": "upstream", "device": "NVIDIA H100 80GB HBM3"}
+    assert table.case_gpu({"fusion_off": off, "patched": patched}) == "H200"
+    assert table.case_gpu({"fusion_off": off, "patched": patched, "upstream": upstream}) == "H200; upstream H100"
+    assert table.memory_vs_off(patched, off) == "+0.0 / +1.0"
+    assert table.memory_vs_off(upstream, off) == "- (other GPU)"

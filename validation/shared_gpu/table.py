@@ -104,7 +104,7 @@ def _over(r: dict[str, Any] | None, off: dict[str, Any] | None, key: str) -> str
 
 def memory_vs_off(r: dict[str, Any] | None, off: dict[str, Any] | None) -> str:
     """MiB over fusion off: what stays allocated after the step, and the step's max allocated."""
-    if not r or not off or off.get("max_allocated_bytes") is None:
+    if not r or not off or off.get("max_allocated_bytes") is None or r.get("max_allocated_bytes") is None:
         return "-"
     if r.get("previous_run") != off.get("previous_run"):
         return "- (order)"  # different runs before: different baselines

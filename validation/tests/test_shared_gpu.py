@@ -405,3 +405,4 @@ def test_case_of_two_gpus_names_each_and_compares_no_memory_across_them():
     assert table.case_gpu({"fusion_off": off, "patched": patched, "upstream": upstream}) == "H200; upstream H100"
     assert table.memory_vs_off(patched, off) == "+0.0 / +1.0"
     assert table.memory_vs_off(upstream, off) == "- (other GPU)"
+    assert table.memory_vs_off({"config": "upstream", "error": "no gradient dump"}, off) == "-"

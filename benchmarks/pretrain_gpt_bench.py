@@ -25,6 +25,7 @@ is after the last iteration (allocated: what lives between steps; max allocated:
 a collection every N iterations, as Megatron-Bridge's recipes set with N = 100): a host-bound step
 then no longer carries the collector's pauses, which come at no fixed iteration. ``--cpus LIST``
 starts each process under ``taskset -c LIST`` (its threads and workers on those cores only).
+``--strategy`` picks Megatron-FSDP's sharding strategy (default ``optim_grads_params``).
 ``--profile START:END`` runs megatron's own PyTorch profiler over iterations START to END - 1
 (``--profile --use-pytorch-profiler --pytorch-profiler-collect-callstack``) and adds to the record,
 as ``profile``, what benchmarks/profile_trace.py reads from the trace: per step the host's wall
@@ -35,7 +36,8 @@ Configurations (``config`` in the records): ``fusion_off`` (``--no-gradient-accu
 ``GEMM_PATCH=0``: megatron alone), ``patched`` (fusion on under ``gemm-patch run``), ``bf16_grads``
 (the same with ``--megatron-fsdp-main-grads-dtype bf16``), ``no_<switch>`` (patched with one fix
 off: ``GEMM_PATCH_SHARED_GRAD=0``, ``GEMM_PATCH_TE_OVERWRITE=0``, ``GEMM_PATCH_FSDP_DUMMY_GRAD=0``,
-``GEMM_PATCH_TE_DUMMY_WGRAD=0``); tied (pretrain_gpt's default) or untied
+``GEMM_PATCH_TE_DUMMY_WGRAD=0``), ``fixes_off`` (patched with every correctness fix off: shared
+grad, TE overwrite, one-rank scale); tied (pretrain_gpt's default) or untied
 (``--untie-embeddings-and-output-weights``).
 
 ``--plan``: comma-separated cells ``RELEASE:tied|untied:CONFIG`` (``*`` for any) or named sets
@@ -86,12 +88,20 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "patched": {"env": {}, "args": []},
     "bf16_grads": {"env": {}, "args": ["--megatron-fsdp-main-grads-dtype", "bf16"]},
     **{config: {"env": {var: "0"}, "args": []} for config, var in SWITCHES.items()},
+    # Fusion on under gemm-patch with every correctness fix off (wrong on a tied weight and on
+    # persistent buffers): what fusion alone gains, the floor the fixes' cost is measured from.
+    "fixes_off": {"env": {"GEMM_PATCH_SHARED_GRAD": "0", "GEMM_PATCH_TE_OVERWRITE": "0",
+                          "GEMM_PATCH_ONE_RANK_SCALE": "0"}, "args": []},
 }
+STRATEGIES = ("optim_grads_params", "optim_grads", "optim", "no_shard")
 RELEASES = ("0.19.2", "0.17.1")
 PLANS = {
     "core": ["0.19.2:tied:fusion_off", "0.19.2:tied:patched"],
     "untied": ["0.19.2:untied:fusion_off", "0.19.2:untied:patched"],
-    "fixes": ["0.19.2:tied:bf16_grads", *(f"0.19.2:tied:{c}" for c in SWITCHES)],
+    "fixes": ["0.19.2:tied:bf16_grads", *(f"0.19.2:tied:{c}" for c in SWITCHES), "0.19.2:tied:fixes_off"],
+    # What each correctness fix costs: fusion off, every fix, every fix off, each fix off alone.
+    "attribution": [f"0.19.2:tied:{c}" for c in ("fusion_off", "patched", "fixes_off", "no_shared_grad",
+                                                   "no_te_overwrite")],
     "release-0.17.1": [f"0.17.1:{t}:{c}" for t in ("tied", "untied") for c in ("fusion_off", "patched")],
 }
 PLANS["full"] = [cell for name in ("core", "untied", "fixes", "release-0.17.1") for cell in PLANS[name]]
@@ -129,7 +139,8 @@ def schedule(plan_cells: list[tuple[str, bool, str]], rounds: int,
 
 
 def pretrain_args(release: str, size: dict[str, int], tied: bool, iters: int,
-                  manual_gc: int | None = None, log_interval: int = LOG_INTERVAL) -> list[str]:
+                  manual_gc: int | None = None, log_interval: int = LOG_INTERVAL,
+                  strategy: str = STRATEGIES[0]) -> list[str]:
     vocab = size["vocab"] - 1 if release.startswith(("0.15.", "0.16.", "0.17.")) else size["vocab"]
     # 0.14-0.15 have neither flag: their Megatron-FSDP takes fp32 main grads from --main-grads-dtype
     # (bf16 then accumulates and reduces in fp32), and megatron prints memory after iteration 1 only.
@@ -145,7 +156,7 @@ def pretrain_args(release: str, size: dict[str, int], tied: bool, iters: int,
         "--lr", "1e-4", "--min-lr", "1e-5", "--lr-decay-style", "cosine", "--lr-warmup-iters", "5",
         "--weight-decay", "0.1", "--clip-grad", "1.0", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
         "--init-method-std", "0.02", "--bf16", "--transformer-impl", "transformer_engine",
-        "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
+        "--use-megatron-fsdp", "--data-parallel-sharding-strategy", strategy,
         *main_grads, "--use-distributed-optimizer", "--ckpt-format", "fsdp_dtensor",
         "--tokenizer-type", "NullTokenizer", "--vocab-size", vocab, "--make-vocab-size-divisible-by", "128",
         "--mock-data", "--num-workers", "1", "--eval-iters", "0", "--eval-interval", 100 * iters,
@@ -184,7 +195,8 @@ def process(cell: tuple[str, bool, str], size: dict[str, int], iters: int, opts:
     launcher = shlex.split(opts.launcher.format(python=opts.python))
     pin = ["taskset", "-c", opts.cpus] if opts.cpus else []
     command = [*pin, opts.python, "-m", "gemm_patch", "run", "--", *launcher, "pretrain_gpt.py",
-               *pretrain_args(release, size, tied, iters, opts.manual_gc, opts.log_interval), *CONFIGS[config]["args"],
+               *pretrain_args(release, size, tied, iters, opts.manual_gc, opts.log_interval, opts.strategy),
+               *CONFIGS[config]["args"],
                *profile_args(opts.profile, profile_dir)]
     return command, dict(CONFIGS[config]["env"]), Path(opts.upstream) / release
 
@@ -240,7 +252,7 @@ def run_one(command: list[str], env: dict[str, str], cwd: Path, log_path: Path, 
 def record(cell: tuple[str, bool, str], rnd: int, size_name: str, iters: int, command: list[str],
            env: dict[str, str], rc: int, seconds: float, log_path: Path,
            manual_gc: int | None = None, trace: Path | None = None, cpus: str | None = None,
-           device: str | None = None) -> dict[str, Any]:
+           device: str | None = None, strategy: str = STRATEGIES[0]) -> dict[str, Any]:
     release, tied, config = cell
     profile = None
     if trace is not None:
@@ -263,7 +275,7 @@ def record(cell: tuple[str, bool, str], rnd: int, size_name: str, iters: int, co
     return {
         "entry": "pretrain_gpt", "release": release, "size": size_name, "hidden": size["hidden"],
         "vocab": size["vocab"], "seq": size["seq"], "layers": size["layers"], "micro_batch_size": size["mbs"],
-        "global_batch_size": size["gbs"], "tied": tied, "config": config, "round": rnd,
+        "global_batch_size": size["gbs"], "strategy": strategy, "tied": tied, "config": config, "round": rnd,
         "step_ms": log.step_ms(), "step_ms_intervals": [it.step_ms for it in log.iterations],
         "allocated_gib": round(mem.allocated_mb / GIB, 4) if mem else None,
         "max_allocated_gib": round(mem.max_allocated_mb / GIB, 4) if mem else None,
@@ -289,7 +301,7 @@ def compare_runs(a: argparse.Namespace, size: dict[str, int], iters: int, logs: 
         launcher = shlex.split(a.launcher.format(python=a.python))
         command = [a.python, "-m", "gemm_patch", "compare", "--iters", str(iters), "--logs", str(logs / name),
                    "--json", str(logs.parent / f"{name}.json"), "--", *launcher, "pretrain_gpt.py",
-                   *pretrain_args(release, size, tied, iters, a.manual_gc), "--log-interval", "1"]
+                   *pretrain_args(release, size, tied, iters, a.manual_gc, strategy=a.strategy), "--log-interval", "1"]
         cwd = Path(a.upstream) / release
         print(f"# {name}\ncd {shlex.quote(str(cwd))} && {shlex.join(command)}", flush=True)
         if a.dry:
@@ -325,8 +337,19 @@ def setting(record: dict[str, Any]) -> str:
     """What else the process ran under, the GPU among it: runs under different settings are never
     compared."""
     gc, cpus, device = (record.get(k) for k in ("manual_gc_interval", "cpus", "device"))
+    strategy = record.get("strategy") or STRATEGIES[0]
     return ((DEFAULT_SETTING if gc is None else f"gc every {gc}") + (f", cpus {cpus}" if cpus else "")
-            + (f", {device}" if device else ""))
+            + (f", {strategy}" if strategy != STRATEGIES[0] else "") + (f", {device}" if device else ""))
+
+
+def same_round_ratio(runs: list[dict[str, Any]], reference: list[dict[str, Any]] | None) -> str:
+    """The median of each run's step time over the reference's of the same round (finished within
+    PAIR_WINDOW_S of each other: the machine drifts over hours by more than a fix costs), with the
+    number of pairs and their range; '-' without a pair."""
+    paired = [r["step_ms"] / o["step_ms"] for r in runs for o in reference or []
+              if o["round"] == r["round"] and abs(finished_s(o) - finished_s(r)) <= PAIR_WINDOW_S]
+    spread = f": {min(paired):.3f}-{max(paired):.3f}" if len(paired) > 1 else ""
+    return f"{statistics.median(paired):.3f} ({len(paired)}{spread})" if paired else "-"
 
 
 def summary(records: list[dict[str, Any]]) -> str:
@@ -339,25 +362,27 @@ def summary(records: list[dict[str, Any]]) -> str:
         if r["rc"] == 0 and r["step_ms"] is not None:
             groups.setdefault((r["hidden"], r["release"], r["tied"], r["config"], setting(r)), []).append(r)
     lines = ["hidden | release | tied | config | rounds | step ms (median; each round) | vs fusion off | "
-             "same round (pairs: range) | allocated GiB | max allocated GiB | allocated - fusion off | "
-             "max allocated - fusion off | setting"]
+             "same round (pairs: range) | vs fixes off, same round | GPU busy / idle ms | allocated GiB | "
+             "max allocated GiB | allocated - fusion off | max allocated - fusion off | setting"]
     for key in sorted(groups, key=lambda k: (k[0], k[1], not k[2], not k[4].startswith(DEFAULT_SETTING), k[4],
                                               list(CONFIGS).index(k[3]))):
         rs = sorted(groups[key], key=lambda r: r["round"])
         ms = statistics.median(r["step_ms"] for r in rs)
         off = groups.get((*key[:3], "fusion_off", key[4]))
         ratio = f"{ms / statistics.median(r['step_ms'] for r in off):.3f}" if off else "-"
-        paired = [r["step_ms"] / o["step_ms"] for r in rs for o in off or []
-                  if o["round"] == r["round"] and abs(finished_s(o) - finished_s(r)) <= PAIR_WINDOW_S]
-        spread = f": {min(paired):.3f}-{max(paired):.3f}" if len(paired) > 1 else ""
-        same_round = f"{statistics.median(paired):.3f} ({len(paired)}{spread})" if paired else "-"
+        same_round = same_round_ratio(rs, off)
+        floor = same_round_ratio(rs, groups.get((*key[:3], "fixes_off", key[4])))
+        profiled = [r["profile"] for r in rs if isinstance(r.get("profile"), dict) and "gpu_busy_ms" in r["profile"]]
+        gpu = (f"{statistics.median(p['gpu_busy_ms'] for p in profiled):.1f} / "
+               f"{statistics.median(p['gpu_idle_ms'] for p in profiled):.1f}"
+               if profiled and all("gpu_idle_ms" in p for p in profiled) else "-")
         alloc, peak = (max(r[k] for r in rs) for k in ("allocated_gib", "max_allocated_gib"))
         d_alloc = f"{alloc - max(r['allocated_gib'] for r in off):+.3f}" if off else "-"
         d_peak = f"{peak - max(r['max_allocated_gib'] for r in off):+.3f}" if off else "-"
         each = " / ".join(f"{r['step_ms']:.1f}" for r in rs)
         lines.append(f"{key[0]} | {key[1]} | {'tied' if key[2] else 'untied'} | {key[3]} | {len(rs)} | {ms:.1f} "
-                     f"({each}) | {ratio} | {same_round} | {alloc:.3f} | {peak:.3f} | {d_alloc} | {d_peak} | "
-                     + key[4])
+                     f"({each}) | {ratio} | {same_round} | {floor} | {gpu} | {alloc:.3f} | {peak:.3f} | {d_alloc} | "
+                     f"{d_peak} | " + key[4])
     failed = [r for r in records if r["rc"] != 0 or r["step_ms"] is None]
     lines += [f"FAILED {r['release']} {'tied' if r['tied'] else 'untied'} {r['config']} round {r['round']}: "
               f"rc={r['rc']} {r['error']}" for r in failed]
@@ -388,6 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--first-round", type=int, default=1,
                    help="number of the first round (to add rounds to an existing records file)")
     p.add_argument("--size", choices=tuple(SIZES), default="hidden4096")
+    p.add_argument("--strategy", choices=STRATEGIES, default=STRATEGIES[0],
+                   help=f"Megatron-FSDP's --data-parallel-sharding-strategy (default {STRATEGIES[0]})")
     p.add_argument("--iters", type=int, help="training iterations per process (default: 30 at hidden 4096, "
                    "100 at hidden 2048); a multiple of the log interval")
     p.add_argument("--log-interval", type=int, default=LOG_INTERVAL,
@@ -434,7 +461,8 @@ def main(argv: list[str] | None = None) -> int:
     device = None if a.dry else gpu_name()
     for rnd, cell in runs:
         release, tied, config = cell
-        name = f"{a.size}_{release}_{'tied' if tied else 'untied'}_{config}_r{rnd}"
+        strategy = "" if a.strategy == STRATEGIES[0] else f"_{a.strategy}"
+        name = f"{a.size}{strategy}_{release}_{'tied' if tied else 'untied'}_{config}_r{rnd}"
         profile_dir = logs.resolve() / f"{name}_profile"  # the command runs in the release's folder
         command, config_env, cwd = process(cell, size, iters, a, profile_dir)
         shown = " ".join([f"cd {shlex.quote(str(cwd))} &&", *(f"{k}={v}" for k, v in config_env.items()),
@@ -455,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
                               a.proc_limit)
         trace = profile_dir / "torch_profile" / "rank-0.json.gz" if a.profile else None
         rec = record(cell, rnd, a.size, iters, command, config_env, rc, seconds, logs / f"{name}.log", a.manual_gc,
-                     trace, a.cpus, device)
+                     trace, a.cpus, device, a.strategy)
         if trace is not None and not a.keep_traces:
             trace.unlink(missing_ok=True)
         with open(a.out, "a") as f:

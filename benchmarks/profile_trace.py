@@ -8,6 +8,12 @@ Python frames (recorded only with ``with_stack=True``; megatron's
 outermost frames' whole time (with the work they hand on, the GEMM launch included), and the
 self time by gemm_patch module (which fix or layer spends it).
 
+And where the GPU waits: its idle time per step (the step's range less its busy time), and, for
+each host frame or operator, the part of its self time during which the GPU was idle (``idle_by_frame``:
+what the host was doing while nothing ran), and the CUDA runtime calls that wait for the GPU
+(``syncs``: ``cudaStreamSynchronize``, ``cudaDeviceSynchronize``, ``cudaEventSynchronize``, blocking
+``cudaMemcpy``, ``cudaFree``) with their count and time per step.
+
 These are sums of durations, so they do not move with the host's drift the way a step's wall time
 does: two configurations' kernel times can be compared at a few tenths of a percent where their
 step times scatter by tens of percent.
@@ -36,6 +42,8 @@ KINDS = (  # the first match names a kernel's kind
 OWN_FRAME = re.compile(r"(?:^|[/\\])gemm_patch[/\\][\w/\\]*\.py\(\d+\)")
 STEP = re.compile(r"^ProfilerStep#(\d+)$")
 TOP_KERNELS = 8
+TOP_IDLE_FRAMES = 15
+SYNC_CALLS = re.compile(r"^cuda(StreamSynchronize|DeviceSynchronize|EventSynchronize|Memcpy|Free)\b")
 
 
 def load(path: Path) -> list[dict[str, Any]]:
@@ -89,6 +97,66 @@ def self_times(events: list[dict[str, Any]]) -> list[tuple[dict[str, Any], float
     return out
 
 
+def complement(intervals: list[tuple[float, float]], start: float, stop: float) -> list[tuple[float, float]]:
+    """The parts of [start, stop) that no interval covers, in order."""
+    out, at = [], start
+    for a, b in sorted(intervals):
+        if b <= at:
+            continue
+        if a >= stop:
+            break
+        if a > at:
+            out.append((at, a))
+        at = max(at, b)
+    if at < stop:
+        out.append((at, stop))
+    return out
+
+
+class Overlap:
+    """Length of [a, b) covered by a fixed set of disjoint, sorted intervals, in O(log n)."""
+
+    def __init__(self, intervals: list[tuple[float, float]]) -> None:
+        import bisect
+        import itertools
+
+        self._bisect = bisect.bisect_right
+        self.starts = [a for a, _ in intervals]
+        self.ends = [b for _, b in intervals]
+        self.prefix = [0.0, *itertools.accumulate(b - a for a, b in intervals)]
+
+    def _upto(self, t: float) -> float:
+        i = self._bisect(self.starts, t)  # intervals starting at or before t
+        if i == 0:
+            return 0.0
+        return self.prefix[i - 1] + min(t, self.ends[i - 1]) - self.starts[i - 1]
+
+    def __call__(self, a: float, b: float) -> float:
+        return max(0.0, self._upto(b) - self._upto(a))
+
+
+def idle_by_frame(events: list[dict[str, Any]], idle: list[tuple[float, float]]) -> dict[str, float]:
+    """Per host event name, the part of its self time (less its direct children) during which
+    the GPU was idle, in us."""
+    covered = Overlap(idle)
+    out: dict[str, float] = defaultdict(float)
+    host = (e for e in events if e.get("cat") in ("python_function", "cpu_op", "cuda_runtime", "cuda_driver",
+                                                  "user_annotation") and not STEP.match(e["name"]))
+    for thread in per_thread(host):
+        stack: list[list] = []  # [event, end, children's idle]
+        for e in thread:
+            while stack and e["ts"] >= stack[-1][1]:
+                done = stack.pop()
+                out[done[0]["name"]] += covered(done[0]["ts"], done[1]) - done[2]
+            mine = covered(e["ts"], e["ts"] + e["dur"])
+            if stack:
+                stack[-1][2] += mine
+            stack.append([e, e["ts"] + e["dur"], 0.0])
+        for e, end, children in stack:
+            out[e["name"]] += covered(e["ts"], end) - children
+    return out
+
+
 def outermost_own_us(events: list[dict[str, Any]]) -> tuple[float, int]:
     """Whole time of gemm_patch frames not inside another gemm_patch frame, and how many."""
     total, count = 0.0, 0
@@ -127,6 +195,14 @@ def analyse(events: list[dict[str, Any]]) -> dict[str, Any]:
     own_whole, own_calls = outermost_own_us(events)
     ms = 1e-3 / n
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]
+    busy = [(e["ts"], e["ts"] + e["dur"]) for e in gpu]
+    idle = [gap for s in steps for gap in complement(busy, s["ts"], s["ts"] + s["dur"])]
+    by_frame = idle_by_frame(events, idle)
+    syncs: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for e in events:
+        if e.get("cat") == "cuda_runtime" and SYNC_CALLS.match(e["name"]):
+            syncs[e["name"]][0] += e["dur"]
+            syncs[e["name"]][1] += 1
     return {
         "steps": n, "step_numbers": sorted(int(STEP.match(e["name"]).group(1)) for e in steps),
         "host_step_ms": round(sum(e["dur"] for e in steps) * ms, 3),
@@ -142,12 +218,17 @@ def analyse(events: list[dict[str, Any]]) -> dict[str, Any]:
         "gemm_patch_calls_per_step": round(own_calls / n, 1),
         "gemm_patch_self_ms_by_module": {m: round(t * ms, 3) for m, t in
                                          sorted(own_by_module.items(), key=lambda kv: -kv[1])},
+        "gpu_idle_ms": round(sum(b - a for a, b in idle) * ms, 3),
+        "idle_by_frame_ms": {name[:160]: round(t * ms, 3) for name, t in
+                             sorted(by_frame.items(), key=lambda kv: -kv[1])[:TOP_IDLE_FRAMES] if t > 0},
+        "syncs": {name: {"ms": round(t * ms, 3), "calls": round(c / n, 1)} for name, (t, c) in sorted(syncs.items())},
     }
 
 
 def table(results: dict[str, dict[str, Any]]) -> str:
     names = list(results)
     rows = [("steps", "steps"), ("host step ms", "host_step_ms"), ("GPU busy ms", "gpu_busy_ms"),
+            ("GPU idle ms", "gpu_idle_ms"),
             ("kernel ms", "kernel_ms"), ("kernels per step", "kernels_per_step")]
     kinds = sorted({k for r in results.values() for k in r["by_kind_ms"]})
     lines = ["per step | " + " | ".join(names), "---|" + "---|" * len(names)]
@@ -160,6 +241,13 @@ def table(results: dict[str, dict[str, Any]]) -> str:
     modules = sorted({m for r in results.values() for m in r.get("gemm_patch_self_ms_by_module", {})})
     lines += [f"  self ms in {m} | " + " | ".join(str(results[n]["gemm_patch_self_ms_by_module"].get(m, 0.0))
                                                for n in names) for m in modules]
+    frames = sorted({f for r in results.values() for f in r.get("idle_by_frame_ms", {})})
+    lines += [f"  GPU idle in {f} | " + " | ".join(str(results[n].get("idle_by_frame_ms", {}).get(f, "-"))
+                                                 for n in names) for f in frames]
+    calls = sorted({c for r in results.values() for c in r.get("syncs", {})})
+    lines += [f"  {c} ms (calls) | " + " | ".join(
+        (lambda v: f"{v['ms']} ({v['calls']})" if v else "-")(results[n].get("syncs", {}).get(c)) for n in names)
+        for c in calls]
     return "\n".join(lines)
 
 

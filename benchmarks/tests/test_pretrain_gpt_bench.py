@@ -22,7 +22,7 @@ FAKE = ROOT / "tests" / "probes" / "fake_pretrain.py"
 
 def test_the_full_plan_is_the_issue_set_and_the_order_turns_each_round():
     full = bench.cells("full")
-    assert len(full) == 13 and len(set(full)) == 13
+    assert len(full) == 14 and len(set(full)) == 14
     assert {c for r, t, c in full if r == "0.19.2" and t} == set(bench.CONFIGS)
     assert {(r, t, c) for r, t, c in full if r == "0.17.1"} == {
         ("0.17.1", t, c) for t in (True, False) for c in ("fusion_off", "patched")}
@@ -118,7 +118,7 @@ def test_each_process_appends_its_record(upstream, monkeypatch, capsys):
     assert seen[2]["argv"][-1] == "--untie-embeddings-and-output-weights"
     assert seen[3]["argv"][seen[3]["argv"].index("--vocab-size") + 1] == "128255"
     table = capsys.readouterr().out
-    assert ("4096 | 0.19.2 | tied | patched | 1 | 296.5 (296.5) | 0.983 | 0.983 (1) | 1.294 | 1.643 | +0.979 | "
+    assert ("4096 | 0.19.2 | tied | patched | 1 | 296.5 (296.5) | 0.983 | 0.983 (1) | - | - | 1.294 | 1.643 | +0.979 | "
             "+0.979") in table
 
 

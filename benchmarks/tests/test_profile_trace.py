@@ -44,6 +44,22 @@ def test_busy_time_kinds_and_own_frames_per_step():
         profile_trace.analyse([e for e in events if e["cat"] != "user_annotation"])
 
 
+def test_idle_time_and_what_the_host_did_meanwhile():
+    events = [
+        event("user_annotation", "ProfilerStep#3", 0, 1000),
+        event("python_function", "hook.py(5): _grad_acc", 100, 300),       # 100-400
+        event("cuda_runtime", "cudaStreamSynchronize", 150, 200),          # 150-350, inside the hook
+        event("kernel", "elementwise", 120, 130, tid=7),                   # busy 120-250
+        event("kernel", "gemm_nvjet", 600, 100, tid=7),                    # busy 600-700
+    ]
+    r = profile_trace.analyse(events)
+    assert r["gpu_busy_ms"] == 0.23 and r["gpu_idle_ms"] == 0.77
+    # The sync's idle part is 250-350; the hook's own is 100-120 and 350-400 (its child's taken out).
+    assert r["idle_by_frame_ms"] == {"cudaStreamSynchronize": 0.1, "hook.py(5): _grad_acc": 0.07}
+    assert r["syncs"] == {"cudaStreamSynchronize": {"ms": 0.2, "calls": 1.0}}
+    assert "GPU idle in cudaStreamSynchronize | 0.1" in profile_trace.table({"a": r})
+
+
 def test_a_real_cpu_trace_of_the_dispatcher(tmp_path):
     torch = pytest.importorskip("torch")
     from gemm_patch.gemm.dispatcher import WgradDispatcher

@@ -99,12 +99,12 @@ def test_same_with_iters_runs_patched_fusion_on_then_megatron_alone_fusion_off(g
     code, out, err, calls = gemm_patch_compare("--iters", "10")
     assert code == 0, out + err
     on, off = calls
-    assert on["fused"] and on["patched"] and on["argv"][-2:] == ["--train-iters", "10"]
+    assert on["fused"] and on["patched"] and on["argv"][-4:] == ["--train-iters", "10", "--log-interval", "1"]
     assert not off["fused"] and not off["patched"] and off["env"]["GEMM_PATCH"] == "0"
     assert off["env"]["GEMM_PATCH_GRAD_PROBE"].endswith("fusion_off.grad_probe")
-    assert off["argv"][-3:] == ["--train-iters", "10", "--no-gradient-accumulation-fusion"]
+    assert off["argv"][-5:] == ["--train-iters", "10", "--log-interval", "1", "--no-gradient-accumulation-fusion"]
     assert "verdict: same (global values only: the gradient probe wrote no record" in out
-    assert "(iterations 1, 5, 10)" in out
+    assert "(iterations 1, 2, 3, 4, 5, 6, 7, 8, 9, 10)" in out
     assert "on / off 0.983" in out  # 296.5 / 301.5 ms, the medians after the first line
 
 
@@ -130,11 +130,15 @@ def test_a_failing_run_reports_its_exit_code(gemm_patch_compare):
 
 
 def test_off_arg_and_iters_arg_for_override_style_commands(gemm_patch_compare):
-    code, out, _, calls = gemm_patch_compare("--iters", "5", "--iters-arg", "train.train_iters={n} --train-iters {n}",
+    code, out, _, calls = gemm_patch_compare("--iters", "5", "--iters-arg",
+                                             "train.train_iters={n} --train-iters {n} --log-interval 1",
                                              "--off-arg", "model.gradient_accumulation_fusion=false")
     assert code == 0, out
-    assert calls[1]["argv"][-4:] == ["train.train_iters=5", "--train-iters", "5",
+    assert calls[1]["argv"][-6:] == ["train.train_iters=5", "--train-iters", "5", "--log-interval", "1",
                                      "model.gradient_accumulation_fusion=false"]
+    # cut to 5 iterations, logged every 5th: iterations 2-4 ran unseen, so nothing past 1 is judged
+    code, out, _, _ = gemm_patch_compare("--iters", "5", "--iters-arg", "--train-iters {n} --seed 1")
+    assert code == compare.EXIT_NOT_COMPARED and "verdict: not compared at iteration 2: iterations 2, 3, 4 ran" in out
     assert "--no-gradient-accumulation-fusion" not in calls[1]["argv"]
     # an --off-arg that does not turn fusion off: the fusion-off run is megatron alone with fusion on
     code, out, _, _ = gemm_patch_compare("--off-arg=--no-such-flag")
@@ -148,10 +152,10 @@ def test_json_record(gemm_patch_compare, tmp_path):
         "fusion on (gemm-patch): ")  # with FILE: the table on stdout, the record in FILE
     assert json.loads((tmp_path / "r.json").read_text())["rows"] == record["rows"]
     assert code == 0 and record["verdict"] == "same" and record["exit_code"] == 0
-    assert [r["iteration"] for r in record["rows"]] == [1, 5, 10]
+    assert [r["iteration"] for r in record["rows"]] == list(range(1, 11))
     on, off = record["runs"]["on"], record["runs"]["off"]
     assert on["memory"][-1]["allocated_mb"] - off["memory"][-1]["allocated_mb"] == pytest.approx(1002.0)
-    assert on["step_ms"] == 296.5 and off["command"][-1] == "--no-gradient-accumulation-fusion"
+    assert on["step_ms"] == 296.0 and off["command"][-1] == "--no-gradient-accumulation-fusion"
     assert record["tolerance"] == {"loss_rtol": 1e-3, "grad_norm_rtol": 1e-2, "grad_norm_printed": 1e-3,
                                    "judge_until": 20, "parameter_bound": 2 ** -7, "noise_factor": 3.0}
 
@@ -425,3 +429,99 @@ def test_a_parameter_judged_on_one_rank_counts_and_one_without_gradient_anywhere
     assert compare_params.unjudged(same) == "; 1 parameter without a gradient on any rank in either run, not judged (b)"
     lost = compare_params.judge_parameters(rec(0.5), rec(1.0), [])
     assert [r["parameter"] for r in lost["differs"]] == ["a"]
+
+
+def test_a_gradient_in_one_run_and_none_in_the_other_differs_and_is_named():
+    """The fused run lost a parameter's gradient altogether (its .grad deleted: the probe lists it
+    without one): "differs", naming it, while every other parameter is still judged. A parameter
+    frozen in both runs is not judged; one that only one run's model has is said, not a difference."""
+    from gemm_patch.commands import compare_params
+
+    def rec(values, without=(), rank=0):
+        return {rank: {"rank": rank, "parameters": {n: {"numel": 4, "norm": v, "projections": [v] * 8}
+                                                    for n, v in values.items()},
+                       "without_gradient": list(without)}}
+
+    off = rec({"a": 1.0, "shift": 0.3}, ["frozen"])
+    lost = compare_params.judge_parameters(rec({"a": 1.0}, ["shift", "frozen"]), off, [])
+    assert lost["judged"] and lost["parameters"] == 2
+    assert [r["parameter"] for r in lost["differs"]] == ["shift"] and lost["worst"]["parameter"] == "shift"
+    text = compare_params.describe(lost["worst"], 1)
+    assert text == "parameter shift: a gradient (norm 0.3) in the fusion-off run and none in the fusion-on run"
+    assert lost["without_gradient_anywhere"] == ["frozen"]
+    # the other way round
+    extra = compare_params.judge_parameters(rec({"a": 1.0, "shift": 0.3}), rec({"a": 1.0}, ["shift"]), [])
+    assert [r["gradient_only_in"] for r in extra["differs"]] == ["fusion-on"]
+    # a parameter only one model has: the rest judged, the odd one said
+    other = compare_params.judge_parameters(rec({"a": 1.0, "new": 2.0}), rec({"a": 1.0}), [])
+    assert other["judged"] and not other["differs"] and other["count"] == 1
+    assert "1 parameter in one run's model only, not judged (new: fusion-on run)" in compare_params.unjudged(other)
+    # a zeroed gradient was caught before and still is
+    zeroed = compare_params.judge_parameters(rec({"a": 1.0, "shift": 0.0}), off, [])
+    assert [r["parameter"] for r in zeroed["differs"]] == ["shift"]
+
+
+def test_a_parameter_difference_is_the_records_first_difference(gemm_patch_compare, tmp_path, monkeypatch):
+    """--json's first_difference names the iteration and the parameter where the verdict says
+    "differs at iteration 1" by a parameter, as the table does."""
+    runs = iter([{"w": 0.6}, {"w": 1.0}])
+
+    def execute(run, env, progress):
+        run.rc, run.seconds = 0, 0.1
+        run.log = compare.parse_log("gradient_accumulation_fusion .... " + ("True" if run.key == "on" else "False") +
+                                    "\n[gemm_patch] INFO: applied\n iteration        1/       1 | "
+                                    "lm loss: 5.0E+00 | grad norm: 1.000 |\n")
+        values = next(runs)
+        run.probe = {0: {"rank": 0, "parameters": {n: {"numel": 4, "norm": v, "projections": [v] * 8}
+                                                   for n, v in values.items()}}}
+        run.tail = []
+        return run
+
+    monkeypatch.setattr(compare, "execute", execute)
+    code, out, _, _ = gemm_patch_compare("--json", "--noise-runs", "0")
+    record = json.loads(out)
+    assert code == compare.EXIT_DIFFERS and record["verdict"] == "differs"
+    assert record["first_difference"]["iteration"] == 1 and record["first_difference"]["parameter"] == "w"
+    assert record["summary"] == f"differs at iteration 1: {record['first_difference']['why']}"
+
+
+@pytest.mark.parametrize("value, bound", [(0.14943, 0.14932), (0.02974, 0.0296 + 0.001 / 33.0), (0.5, 0.0078125)])
+def test_a_printed_bound_is_below_the_printed_value(value, bound):
+    """'x > y' as printed: the digits grow until the printed numbers keep the order."""
+    left, right = compare.exceeds(value, bound).split(" > ")
+    assert float(left) > float(right)
+
+
+def test_the_printed_grad_norm_bound_holds_as_printed(gemm_patch_compare):
+    code, out, _, _ = gemm_patch_compare("--iters", "10", "--grad-norm-rtol", "0.0296", fault="grad_norm")
+    assert code == compare.EXIT_DIFFERS
+    why = next(line for line in out.splitlines() if line.startswith("verdict: differs"))
+    shown = why.split("relative difference ", 1)[1].split(" (", 1)[0]
+    left, right = shown.split(" > ")
+    assert float(left) > float(right)
+
+
+def test_output_paths_are_checked_before_any_run(gemm_patch_compare, tmp_path):
+    """--json into a missing folder, --logs under a regular file: one line, exit 2, nothing run."""
+    code, out, err, calls = gemm_patch_compare("--json", str(tmp_path / "missing" / "r.json"))
+    assert code == compare.EXIT_UNREADABLE and calls == [] and "its folder" in err and "does not exist" in err
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    code, out, err, calls = gemm_patch_compare("--json", str(tmp_path))
+    assert code == compare.EXIT_UNREADABLE and calls == [] and "is a folder" in err
+    try:
+        code = cli.main(["compare", "--logs", str(blocker / "logs"), "--", *FAKE])
+    except SystemExit as stop:
+        code = stop.code
+    assert code == compare.EXIT_UNREADABLE
+
+
+def test_iterations_the_logs_leave_out_are_never_same(gemm_patch_compare):
+    """Cut to 3 iterations with a log interval of 5: iteration 1 alone is logged, so a defect from
+    iteration 2 on cannot show; compare says so rather than "same"."""
+    code, out, _, _ = gemm_patch_compare("--iters", "3", "--iters-arg", "--train-iters {n} --log-interval 5",
+                                         fault="lost_later")
+    assert code == compare.EXIT_NOT_COMPARED and "iterations 2, 3 ran but neither log shows them" in out
+    # logged every iteration (the default with --iters), a defect from iteration 5 is found there
+    code, out, _, _ = gemm_patch_compare("--iters", "6", fault="lost_later")
+    assert code == compare.EXIT_DIFFERS and "verdict: differs at iteration 5" in out

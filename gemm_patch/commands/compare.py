@@ -58,6 +58,7 @@ __all__ = ["Iteration", "Log", "MemoryReport", "judge", "main", "parse_log"]
 EXIT_SAME, EXIT_DIFFERS, EXIT_UNREADABLE, EXIT_NOT_COMPARED = 0, 1, 2, 3
 DEFAULT_OFF_ARGS = ("--no-gradient-accumulation-fusion",)
 DEFAULT_ITERS_ARG = "--train-iters {n}"
+EVERY_ITERATION_LOGGED = ("--log-interval", "1")
 LOSS_RTOL, GRAD_NORM_RTOL, JUDGE_UNTIL = 1e-3, 1e-2, 20
 GRAD_NORM_PRINTED = 1e-3  # megatron prints the grad norm with 3 decimals
 NOISE_FACTOR = compare_params.NOISE_FACTOR
@@ -141,13 +142,26 @@ def _not_comparable(x: Iteration | None, y: Iteration | None, labels: tuple[str,
     return None
 
 
+def exceeds(value: float, bound: float) -> str:
+    """'value > bound', each printed with as many significant digits as it takes for the printed
+    numbers to keep that order (3 at least)."""
+    for digits in range(3, 18):
+        a, b = f"{value:.{digits - 1}e}", f"{bound:.{digits - 1}e}"
+        if float(a) > float(b):
+            return f"{a} > {b}"
+    return f"{value!r} > {bound!r}"
+
+
 def _beyond(x: Iteration, y: Iteration, loss_bound: float, grad_norm_bound: float) -> str | None:
     loss_rel = _rel(x.loss, y.loss)
     if loss_rel is not None and loss_rel > loss_bound:
-        return f"lm loss {x.loss:.6E} vs {y.loss:.6E}, relative difference {loss_rel:.2e} > {loss_bound:.2g}"
+        return f"lm loss {x.loss:.6E} vs {y.loss:.6E}, relative difference {exceeds(loss_rel, loss_bound)}"
     if abs(x.grad_norm - y.grad_norm) > grad_norm_bound * abs(y.grad_norm) + GRAD_NORM_PRINTED:
+        # The bound as a relative difference: the printed norm's last decimal is allowed for.
+        bound = grad_norm_bound + GRAD_NORM_PRINTED / abs(y.grad_norm) if y.grad_norm else math.inf
         return (f"grad norm {x.grad_norm:.3f} vs {y.grad_norm:.3f}, relative difference "
-                f"{_rel(x.grad_norm, y.grad_norm):.2e} > {grad_norm_bound:.2g}")
+                f"{exceeds(_rel(x.grad_norm, y.grad_norm), bound)} ({grad_norm_bound:g} + {GRAD_NORM_PRINTED:g} / "
+                "the printed norm)")
     return None
 
 
@@ -339,13 +353,22 @@ def decide(runs: Sequence[Run], args: argparse.Namespace, off_args: Sequence[str
     base = {"comparison": comparison, "rule": rule, "parameters": params}
     scope = "" if params["judged"] else f" (global values only: {params['why']})"
     if params["judged"] and params["differs"]:
-        return {**base, "verdict": "differs", "exit_code": EXIT_DIFFERS,
-                "summary": f"differs at iteration 1: {compare_params.describe(params['worst'], _ranks(on))}"}
+        why = compare_params.describe(params["worst"], _ranks(on))
+        return {**base, "verdict": "differs", "exit_code": EXIT_DIFFERS, "summary": f"differs at iteration 1: {why}",
+                "first_difference": {"iteration": 1, "why": why, "parameter": params["worst"]["parameter"]}}
     first = comparison["first_difference"]
     if first:
         return {**base, "verdict": "differs", "exit_code": EXIT_DIFFERS,
                 "summary": f"differs at iteration {first['iteration']}: {first['why']}{scope}"}
     judged, uncompared = comparison["judged_iterations"], comparison["first_not_compared"]
+    unlogged = unlogged_iterations(on.log, off.log, min(args.judge_until, args.iters or args.judge_until))
+    shown = ", ".join(map(str, unlogged[:5])) + (", ..." if len(unlogged) > 5 else "")
+    if judged and not uncompared and unlogged and args.iters:
+        # The runs were cut to --iters: every iteration in the window ran, and a defect from the
+        # second step on shows only in an iteration the logs left out.
+        uncompared = {"iteration": unlogged[0],
+                      "why": f"iterations {shown} ran but neither log shows them (the command's log interval; "
+                             "with it at 1 every iteration up to --judge-until is judged)"}
     if not judged or uncompared:
         why = (f" at iteration {uncompared['iteration']}: {uncompared['why']}{scope}" if judged else
                f": no logged iteration up to {args.judge_until} (--judge-until)")
@@ -355,7 +378,8 @@ def decide(runs: Sequence[Run], args: argparse.Namespace, off_args: Sequence[str
             "summary": f"same{scope}: {rule} (iterations {', '.join(map(str, judged))}"
                        + (f"; noise measured by {len(noise)} more fusion-off run{'s' if len(noise) > 1 else ''}"
                           if noise else "") + ")"
-                       + (f"; {later} later iteration{'s' if later != 1 else ''} shown, not judged" if later else "")}
+                       + (f"; {later} later iteration{'s' if later != 1 else ''} shown, not judged" if later else "")
+                       + (f"; iterations {shown} not logged, not judged" if unlogged else "")}
 
 
 def _finite(value: Any, path: str, flags: dict[str, str]) -> Any:
@@ -377,8 +401,9 @@ def as_record(command: list[str], runs: Sequence[Run], result: dict[str, Any],
     comparison = result.get("comparison") or {}
     record = {
         "schema": 2, "command": command, "verdict": result["verdict"], "exit_code": result["exit_code"],
-        "summary": result["summary"], "first_difference": comparison.get("first_difference"),
-        "first_not_compared": comparison.get("first_not_compared"), "parameters": result.get("parameters"),
+        "summary": result["summary"],
+        "first_difference": result.get("first_difference", comparison.get("first_difference")),
+        "first_not_compared": result.get("first_not_compared", comparison.get("first_not_compared")), "parameters": result.get("parameters"),
         "tolerance": {"loss_rtol": args.loss_rtol, "grad_norm_rtol": args.grad_norm_rtol,
                       "grad_norm_printed": GRAD_NORM_PRINTED, "judge_until": args.judge_until,
                       "parameter_bound": compare_params.BF16_BOUND, "noise_factor": NOISE_FACTOR},
@@ -432,7 +457,8 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
     parser.error = usage_error  # type: ignore[method-assign]
     parser.add_argument("--iters", type=_positive(int), metavar="N",
-                        help="cut both runs to N iterations (appends --iters-arg)")
+                        help="cut both runs to N iterations (appends --iters-arg; with the default, also "
+                             "--log-interval 1, so that every iteration is logged and judged)")
     parser.add_argument("--iters-arg", default=DEFAULT_ITERS_ARG, metavar="TEMPLATE",
                         help=f"what --iters appends, {{n}} for N (default: '{DEFAULT_ITERS_ARG}'; "
                              "Megatron-Bridge: 'train.train_iters={n}')")
@@ -484,17 +510,49 @@ def _usage(command: list[str], args: argparse.Namespace, off_args: list[str]) ->
     return None
 
 
+def unlogged_iterations(on: Log, off: Log, until: int) -> list[int]:
+    """The iterations up to ``until`` (and up to the run's length, as megatron's iteration line
+    gives it) that both runs ran but neither logged."""
+    logged = {it.iteration for log in (on, off) for it in log.iterations}
+    totals = [it.of for log in (on, off) for it in log.iterations if it.of]
+    last = min([until, *totals])
+    return [n for n in range(1, last + 1) if n not in logged]
+
+
+def output_problem(args: argparse.Namespace) -> str | None:
+    """Why --json or --logs cannot be written, found before any run starts; None where both can."""
+    if args.json and args.json != "-":
+        target = Path(args.json)
+        if target.is_dir():
+            return f"--json {args.json}: is a folder; give a file name"
+        if not target.parent.is_dir():
+            return f"--json {args.json}: its folder {target.parent} does not exist"
+        if not os.access(target.parent, os.W_OK):
+            return f"--json {args.json}: its folder {target.parent} is not writable"
+    if args.logs:
+        try:
+            Path(args.logs).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            return f"--logs {args.logs}: cannot make that folder ({exc.strerror or exc})"
+        if not os.access(args.logs, os.W_OK):
+            return f"--logs {args.logs}: not writable"
+    return None
+
+
 def main(args: argparse.Namespace) -> int:
     command = list(args.cmd)
     if command[:1] == ["--"]:
         command = command[1:]
     off_args = list(args.off_arg) if args.off_arg else list(DEFAULT_OFF_ARGS)
-    usage = _usage(command, args, off_args)
+    usage = _usage(command, args, off_args) or output_problem(args)
     if usage:
         print(f"gemm-patch compare: {usage}", file=sys.stderr)
         return EXIT_UNREADABLE
     iters_args = [part.replace("{n}", str(args.iters)) for part in shlex.split(args.iters_arg)] \
         if args.iters is not None else []
+    if iters_args and args.iters_arg == DEFAULT_ITERS_ARG:
+        # Megatron-LM's own flags: every iteration of the cut runs logged, so every one is judged.
+        iters_args += list(EVERY_ITERATION_LOGGED)
     logs = Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix="gemm-patch-compare-"))
     logs.mkdir(parents=True, exist_ok=True)
     base = {**os.environ, "PYTHONUNBUFFERED": "1"}

@@ -60,13 +60,22 @@ def judge_parameters(on: dict[int, dict[str, Any]], off: dict[int, dict[str, Any
     # the global values only, and said so
     unplaced = {n: why for records in (on, off) for rec in records.values()
                 for n, why in rec.get("not_recorded", {}).items()}
-    rows = []
+    rows, only_in = [], {}
     for rank in sorted(on):
         a, b = ({n: v for n, v in rec[rank]["parameters"].items() if n not in unplaced} for rec in (on, off))
-        if set(a) != set(b):
-            only = sorted(set(a) ^ set(b))[:3]
-            return {"judged": False, "why": f"rank {rank}: the runs' models have different parameters ({only})"}
-        for name in sorted(a):
+        # A gradient in one run and none in the other (the parameter listed without one there) is
+        # the plainest difference there is; a parameter one run's model does not have is said, and
+        # everything both runs recorded is judged whatever else differs.
+        for mine, theirs, label, other in ((a, b, "fusion-on", off), (b, a, "fusion-off", on)):
+            lacking = set(other[rank].get("without_gradient", ()))
+            for name in sorted(set(mine) - set(theirs)):
+                if name in lacking:
+                    norms = [mine[name]["norm"], 0.0] if label == "fusion-on" else [0.0, mine[name]["norm"]]
+                    rows.append({"rank": rank, "parameter": name, "numel": mine[name]["numel"], "norm": norms,
+                                 "rel": 1.0, "noise": None, "bound": BF16_BOUND, "gradient_only_in": label})
+                else:
+                    only_in.setdefault(name, label)
+        for name in sorted(set(a) & set(b)):
             drift = max((rel(extra[rank]["parameters"][name], b[name]) for extra in noise
                          if name in extra.get(rank, {}).get("parameters", {})), default=0.0)
             bound = max(BF16_BOUND, NOISE_FACTOR * drift)
@@ -85,7 +94,8 @@ def judge_parameters(on: dict[int, dict[str, Any]], off: dict[int, dict[str, Any
     worst = max(rows, key=lambda r: (r["rel"] / r["bound"], r["numel"]))
     return {"judged": True, "count": len(rows), "parameters": len(judged), "worst": worst,
             "without_gradient": unseen, "without_gradient_anywhere": nowhere,
-            "not_recorded": unplaced, "differs": [r for r in rows if r["rel"] > r["bound"]]}
+            "not_recorded": unplaced, "only_in_one_model": only_in,
+            "differs": [r for r in rows if r["rel"] > r["bound"]]}
 
 
 def _first(unplaced: dict[str, str]) -> str:
@@ -104,6 +114,12 @@ def unjudged(params: dict[str, Any]) -> str:
     if unplaced:
         plural = "s" if len(unplaced) > 1 else ""
         text += f"; {len(unplaced)} parameter{plural} by the global values only ({_first(unplaced)})"
+    only_in = params.get("only_in_one_model") or {}
+    if only_in:
+        name = next(iter(sorted(only_in)))
+        plural = "s" if len(only_in) > 1 else ""
+        text += (f"; {len(only_in)} parameter{plural} in one run's model only, not judged ({name}: "
+                 f"{only_in[name]} run)")
     if nowhere:
         plural = "s" if len(nowhere) > 1 else ""
         text += (f"; {len(nowhere)} parameter{plural} without a gradient on any rank in either run, not judged "
@@ -127,6 +143,11 @@ def whole_factor(norm_on: float, norm_off: float) -> tuple[str, int] | None:
 
 def describe(row: dict[str, Any], ranks: int) -> str:
     where = f" (rank {row['rank']})" if ranks > 1 else ""
+    if row.get("gradient_only_in"):
+        has = row["gradient_only_in"]
+        lacks = "fusion-off" if has == "fusion-on" else "fusion-on"
+        return (f"parameter {row['parameter']}{where}: a gradient (norm {max(row['norm']):.6g}) in the {has} run "
+                f"and none in the {lacks} run")
     text = (f"parameter {row['parameter']}{where}: gradient norm {row['norm'][0]:.6g} vs {row['norm'][1]:.6g}, "
             f"relative difference {row['rel']:.2e} {'>' if row['rel'] > row['bound'] else '<='} "
             f"{row['bound']:.2e}")

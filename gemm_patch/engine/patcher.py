@@ -165,6 +165,11 @@ def apply_quietly(strict: bool | None = None) -> None:
     milliseconds that ``import gemm_patch`` need not spend)."""
     if not config.enabled():
         with _lock:
+            # GEMM_PATCH=0 set after a patch: what runs must be what status says (nothing).
+            if _state.installs:
+                _uninstall_all(f"{DISABLED_REASON} (set after the patch; apply() took it out)")
+                emit(logging.WARNING, "gemm_patch: GEMM_PATCH=0 at apply(): every patch in place taken out")
+            _state.cfg = None
             _state.disabled = DISABLED_REASON
         return
     damaged = release_data.problem()
@@ -184,8 +189,13 @@ def apply_quietly(strict: bool | None = None) -> None:
         _state.cfg = cfg
         active.use_backend(cfg.backend)
         for target in _targets:
+            off = target.switched_off(cfg)
+            if off and _state.installs.get(target.name):
+                # Turned off since it was installed: taken out, so that what runs is what is asked.
+                _uninstall(target.name, off)
+                emit(logging.WARNING, f"gemm_patch: {target.name}: {off}: its patch taken out by apply()")
+                continue
             if target.name not in _state.statuses or _state.statuses[target.name].state == OFF:
-                off = target.switched_off(cfg)
                 _state.statuses[target.name] = (TargetStatus(target.name, target.module, OFF, off) if off else
                                                 TargetStatus(target.name, target.module, PENDING,
                                                              f"waiting for `import {target.module}`"))
@@ -230,25 +240,36 @@ def revert() -> Status:
     left as it is, with one warning."""
     with _lock:
         _state.cfg = None
-        _state.bypassed.clear()
-        _state.to_search.clear()
-        for name, installs in list(_state.installs.items()):
-            left = []
-            for install in reversed(installs):
-                kept = install.undo.run()
-                if not install.superseded:
-                    left += kept
-            del _state.installs[name]
-            st = _state.statuses[name]
-            if left:
-                reason = f"revert() left {'; '.join(left)} (installed over gemm_patch's object)"
-                _warn_once(f"revert:{name}", f"{name}: {reason}")
-                _state.statuses[name] = TargetStatus(name, st.module, REPLACED, reason, st.version, st.fingerprint)
-        for name, st in _state.statuses.items():
-            if st.state != REPLACED:
-                _state.statuses[name] = TargetStatus(name, st.module, OFF, "reverted by gemm_patch.revert()",
-                                                     st.version, st.fingerprint)
+        _uninstall_all("reverted by gemm_patch.revert()")
         return status()
+
+
+def _uninstall_all(reason: str) -> None:
+    _state.bypassed.clear()
+    _state.to_search.clear()
+    for name in list(_state.installs):
+        _uninstall(name, reason)
+    for name, st in _state.statuses.items():
+        if st.state != REPLACED:
+            _state.statuses[name] = TargetStatus(name, st.module, OFF, reason, st.version, st.fingerprint)
+
+
+def _uninstall(name: str, reason: str) -> None:
+    """Undo every install of the target ``name``, newest first; its status becomes ``off`` for
+    ``reason``, or ``replaced`` where something installed over gemm_patch's object stays."""
+    left = []
+    for install in reversed(_state.installs.pop(name, [])):
+        kept = install.undo.run()
+        if not install.superseded:
+            left += kept
+    _state.bypassed.pop(name, None)
+    st = _state.statuses[name]
+    if left:
+        why = f"revert() left {'; '.join(left)} (installed over gemm_patch's object)"
+        _warn_once(f"revert:{name}", f"{name}: {why}")
+        _state.statuses[name] = TargetStatus(name, st.module, REPLACED, why, st.version, st.fingerprint)
+    else:
+        _state.statuses[name] = TargetStatus(name, st.module, OFF, reason, st.version, st.fingerprint)
 
 
 def _on_exec(module: types.ModuleType) -> None:

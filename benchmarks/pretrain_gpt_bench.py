@@ -36,8 +36,8 @@ Configurations (``config`` in the records): ``fusion_off`` (``--no-gradient-accu
 ``GEMM_PATCH=0``: megatron alone), ``patched`` (fusion on under ``gemm-patch run``), ``bf16_grads``
 (the same with ``--megatron-fsdp-main-grads-dtype bf16``), ``no_<switch>`` (patched with one fix
 off: ``GEMM_PATCH_SHARED_GRAD=0``, ``GEMM_PATCH_TE_OVERWRITE=0``, ``GEMM_PATCH_FSDP_DUMMY_GRAD=0``,
-``GEMM_PATCH_TE_DUMMY_WGRAD=0``), ``fixes_off`` (patched with every correctness fix off: shared
-grad, TE overwrite, one-rank scale); tied (pretrain_gpt's default) or untied
+``GEMM_PATCH_TE_DUMMY_WGRAD=0``, ``GEMM_PATCH_EMBEDDING_WGRAD=0``), ``fixes_off`` (patched with every
+correctness fix off: shared grad, TE overwrite, one-rank scale); tied (pretrain_gpt's default) or untied
 (``--untie-embeddings-and-output-weights``).
 
 ``--plan``: comma-separated cells ``RELEASE:tied|untied:CONFIG`` (``*`` for any) or named sets
@@ -82,7 +82,8 @@ SIZES: dict[str, dict[str, int]] = {
                    "vocab": 384, "iters": 100},
 }
 SWITCHES = {"no_shared_grad": "GEMM_PATCH_SHARED_GRAD", "no_te_overwrite": "GEMM_PATCH_TE_OVERWRITE",
-            "no_fsdp_dummy_grad": "GEMM_PATCH_FSDP_DUMMY_GRAD", "no_te_dummy_wgrad": "GEMM_PATCH_TE_DUMMY_WGRAD"}
+            "no_fsdp_dummy_grad": "GEMM_PATCH_FSDP_DUMMY_GRAD", "no_te_dummy_wgrad": "GEMM_PATCH_TE_DUMMY_WGRAD",
+            "no_embedding_wgrad": "GEMM_PATCH_EMBEDDING_WGRAD"}
 CONFIGS: dict[str, dict[str, Any]] = {
     "fusion_off": {"env": {"GEMM_PATCH": "0"}, "args": ["--no-gradient-accumulation-fusion"]},
     "patched": {"env": {}, "args": []},
@@ -101,7 +102,7 @@ PLANS = {
     "fixes": ["0.19.2:tied:bf16_grads", *(f"0.19.2:tied:{c}" for c in SWITCHES), "0.19.2:tied:fixes_off"],
     # What each correctness fix costs: fusion off, every fix, every fix off, each fix off alone.
     "attribution": [f"0.19.2:tied:{c}" for c in ("fusion_off", "patched", "fixes_off", "no_shared_grad",
-                                                   "no_te_overwrite")],
+                                                   "no_te_overwrite", "no_embedding_wgrad")],
     "release-0.17.1": [f"0.17.1:{t}:{c}" for t in ("tied", "untied") for c in ("fusion_off", "patched")],
 }
 PLANS["full"] = [cell for name in ("core", "untied", "fixes", "release-0.17.1") for cell in PLANS[name]]

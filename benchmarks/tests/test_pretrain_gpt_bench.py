@@ -22,7 +22,7 @@ FAKE = ROOT / "tests" / "probes" / "fake_pretrain.py"
 
 def test_the_full_plan_is_the_issue_set_and_the_order_turns_each_round():
     full = bench.cells("full")
-    assert len(full) == 14 and len(set(full)) == 14
+    assert len(full) == 15 and len(set(full)) == 15
     assert {c for r, t, c in full if r == "0.19.2" and t} == set(bench.CONFIGS)
     assert {(r, t, c) for r, t, c in full if r == "0.17.1"} == {
         ("0.17.1", t, c) for t in (True, False) for c in ("fusion_off", "patched")}

@@ -8,7 +8,16 @@ known target is one line in that entry's ``fingerprints``.
 from __future__ import annotations
 
 from ..engine.target import Target
-from . import apex_wgrad, fsdp_wgrad, nemo_fsdp_gaf, one_rank_scale, shared_grad, te_dummy_wgrad, te_overwrite
+from . import (
+    apex_wgrad,
+    embedding_wgrad,
+    fsdp_wgrad,
+    nemo_fsdp_gaf,
+    one_rank_scale,
+    shared_grad,
+    te_dummy_wgrad,
+    te_overwrite,
+)
 
 REGISTRY: tuple[Target, ...] = (
     fsdp_wgrad.TARGET,  # GEMM_PATCH_FSDP_WGRAD
@@ -21,6 +30,7 @@ REGISTRY: tuple[Target, ...] = (
     te_dummy_wgrad.TARGET,  # GEMM_PATCH_TE_DUMMY_WGRAD: Transformer Engine's own layers
     one_rank_scale.TARGET,  # GEMM_PATCH_ONE_RANK_SCALE: Megatron-FSDP's reduce (expert parallelism)
     one_rank_scale.STANDALONE,
+    embedding_wgrad.TARGET,  # GEMM_PATCH_EMBEDDING_WGRAD: the embedding lookup into main_grad
     fsdp_wgrad.GEMM_TARGET,  # Megatron-LM main's forms of the same fixes
     te_overwrite.BY_STRATEGY_TARGET,
     te_overwrite.BY_STRATEGY_STANDALONE,

@@ -136,7 +136,12 @@ def broadcast_zero(param: Any, shape: Any, dtype: Any) -> Any:
         return None
     import torch
 
-    return torch.zeros((), dtype=dtype, device=param.device).expand(shape)
+    zeros = torch.zeros((), dtype=dtype, device=param.device).expand(shape)
+    # Where this dummy alone reaches the weight's gradient (the other uses wrote into main_grad
+    # themselves: fsdp-embedding-wgrad), the hook that hands it on knows there is nothing to add.
+    if fsdp_rules.takes_direct_writes(param) and fsdp_rules.register_zero_dummy(param, zeros):
+        fsdp_rules.ensure_zero_hook(param)
+    return zeros
 
 
 def fsdp_zero_dummy_wgrad_te(shape: Any, dtype: Any, zero: bool = False, *, param: Any = None) -> Any:

@@ -84,7 +84,16 @@ from ..engine.callsite import (
 )
 from ..engine.config import Config
 from ..engine.target import DEFAULTS, Inspection, MethodTarget, PatchedTwin, Undo, in_both_fsdp_packages
-from ..upstream.fsdp_rules import HOOKED, hooks_end_records, is_fsdp_param, restore_written_flag, without_pending_uses
+from ..upstream.fsdp_rules import (
+    HOOKED,
+    hooks_end_records,
+    hooks_end_records_per_module_call,
+    is_fsdp_param,
+    lookup_written,
+    only_zeros,
+    restore_written_flag,
+    without_pending_uses,
+)
 
 NESTED = "_grad_acc"
 STATEMENT = "if param.grad_added_to_main_grad and param.grad is not None:\n    del param.grad\n"
@@ -97,8 +106,13 @@ def add_shared_grad(param: Any, to_local: Any) -> None:
     """Megatron's DDP rule for a weight whose fused wgrad is already in main_grad: with
     ``zero_out_wgrad`` the dummy wgrad megatron returned is zeros, so ``param.grad`` holds the
     gradient of the weight's other, non-fused uses (the tied embedding lookup) and is added;
-    without it the dummy may be uninitialised memory and ``param.grad`` is dropped, as upstream."""
-    if getattr(param, "zero_out_wgrad", False):
+    without it the dummy may be uninitialised memory and ``param.grad`` is dropped, as upstream.
+    A weight whose embedding lookup fsdp-embedding-wgrad wrote into main_grad in this backward
+    follows the first rule (its dummies are zeros); where only such a zero dummy reached
+    ``param.grad`` (``only_zeros``) there is nothing to add."""
+    if only_zeros(param):
+        return
+    if getattr(param, "zero_out_wgrad", False) or lookup_written(param):
         param.main_grad = param.get_main_grad()
         param.main_grad.add_(to_local(param.grad))
 
@@ -236,7 +250,8 @@ class SharedGradTarget(MethodTarget):
 
     def install(self, module: types.ModuleType, found: Inspection, undo: Undo, cfg: Config) -> str | None:
         both = found.fingerprint in self.param_arg_fingerprints
-        cells = {CELL: add_shared_grad, FLAG_CELL: restore_written_flag, MANAGED_CELL: hooks_end_records,
+        cells = {CELL: add_shared_grad, FLAG_CELL: restore_written_flag,
+                 MANAGED_CELL: hooks_end_records_per_module_call if both else hooks_end_records,
                  **({ARG_CELL: is_fsdp_param, PENDING_CELL: without_pending_uses} if both else {})}
         twin = build_edited_twin(found.payload, self.where, _edit_both if both else _edit_grad_acc, cells)
         self.replace(module, undo, PatchedTwin(self.live_object(module), twin))

@@ -80,6 +80,36 @@ WRITTEN = ParamTable()
 MANAGED = ParamTable()
 # The MegatronFSDP instances whose hooks fsdp-shared-grad's twin registered (weakly held).
 HOOKED: weakref.WeakSet = weakref.WeakSet()
+# MANAGED's value for the parameters of megatron-core 0.14-0.15's hooks (a post-backward hook
+# after each module call): only the post-accumulate-grad form (True) takes a lookup written
+# straight into main_grad (fsdp-embedding-wgrad).
+PER_MODULE_CALL = "per-module-call"
+# Per parameter: (backward, weak reference to it) of the zero dummy a fused writer returned as its
+# gradient in that backward (fsdp-wgrad for a zero_out_wgrad weight, fsdp-embedding-wgrad): the
+# first one only; ``zero_sum_hook`` recognises it where it arrives alone.
+ZERO_DUMMY = ParamTable()
+# Per parameter: the backward in which exactly one of those zero dummies was all that reached its
+# gradient (``zero_sum_hook``): its ``param.grad`` holds nothing to add.
+ONLY_ZEROS = ParamTable()
+# Per parameter: the backward in which fsdp-embedding-wgrad wrote the embedding lookup's gradient
+# straight into its main_grad: its ``param.grad`` then holds only other uses' gradients (and zero
+# dummies), which ``_grad_acc`` adds, as megatron's DDP does for a zero_out_wgrad weight.
+LOOKUP_WRITTEN = ParamTable()
+# Per parameter: the handle of ``zero_sum_hook`` registered on it.
+ZERO_HOOKS = ParamTable()
+
+
+class _Installs(dict):
+    """The installed targets that write a lookup straight into main_grad (name -> True); the
+    last one's removal (an install's undo) takes every ``zero_sum_hook`` off its parameter."""
+
+    def __delitem__(self, key: str) -> None:
+        super().__delitem__(key)
+        if not self:
+            remove_zero_hooks()
+
+
+LOOKUP_WRITERS = _Installs()
 # Parameters met by a fused write under hooks that are not the twin's (each reported once).
 MET_UNMANAGED = ParamTable()
 _graph_task = None  # torch._C._current_graph_task_id, bound on the first call (it imports torch)
@@ -103,7 +133,7 @@ def written_in(param: Any, backward: int | None) -> bool:
     return backward is not None and backward >= 0 and WRITTEN.get(param) == backward
 
 
-def hooks_end_records(fsdp: Any, root_module: Any) -> None:
+def hooks_end_records(fsdp: Any, root_module: Any, form: Any = True) -> None:
     """First statement of fsdp-shared-grad's ``_register_fsdp_hooks``: the MegatronFSDP
     ``fsdp`` runs the twin's hooks, and the parameters of ``root_module`` get hooks that end a
     record where the gradient is handed on. Without a module to read (nothing registered yet)
@@ -111,7 +141,92 @@ def hooks_end_records(fsdp: Any, root_module: Any) -> None:
     HOOKED.add(fsdp)
     parameters = getattr(root_module, "parameters", None)
     for param in parameters() if callable(parameters) else ():
-        MANAGED.set(param, True)
+        MANAGED.set(param, form)
+
+
+def hooks_end_records_per_module_call(fsdp: Any, root_module: Any) -> None:
+    """``hooks_end_records`` for megatron-core 0.14-0.15's twin (``PER_MODULE_CALL``)."""
+    hooks_end_records(fsdp, root_module, PER_MODULE_CALL)
+
+
+def takes_direct_writes(param: Any) -> bool:
+    """Whether the twin's post-accumulate-grad ``_grad_acc`` hands on ``param``'s gradient (the
+    0.16+ form of fsdp-shared-grad's hooks): only there may a gradient reach main_grad other than
+    through a fused linear's write (fsdp-embedding-wgrad)."""
+    return MANAGED.get(param) is True
+
+
+def register_zero_dummy(param: Any, zeros: Any) -> bool:
+    """Record ``zeros`` (a broadcast zero a fused writer returns as ``param``'s gradient) as the
+    one ``zero_sum_hook`` may recognise in this backward; False where one is recorded already."""
+    backward = current_backward()
+    if backward is None or backward < 0:
+        return False
+    known = ZERO_DUMMY.get(param)
+    if known is not None and known[0] == backward and known[1]() is not None:
+        return False
+    ZERO_DUMMY.set(param, (backward, weakref.ref(zeros)))
+    return True
+
+
+def zero_dummy_delivered(param: Any) -> bool:
+    """Whether a fused writer of this backward already returned a recorded zero dummy for
+    ``param``: autograd will accumulate its gradient (and run Megatron-FSDP's hook) anyway."""
+    known = ZERO_DUMMY.get(param)
+    return known is not None and known[0] == current_backward() and known[1]() is not None
+
+
+def _zero_sum_hook(param: Any) -> Any:
+    ref = weakref.ref(param)
+
+    def hook(grad: Any) -> Any:
+        """What autograd is about to accumulate for the parameter: where it is exactly the zero
+        dummy a fused writer recorded (no other use contributed), say so, and hand autograd a
+        view of main_grad's bytes instead (no full-size zeros to copy); the hooks that read
+        ``param.grad`` then skip it (``ONLY_ZEROS``)."""
+        param = ref()
+        if param is None:
+            return None
+        backward = current_backward()
+        known = ZERO_DUMMY.get(param)
+        if known is None or known[0] != backward or known[1]() is not grad or param.grad is not None \
+                or has_tensor_hooks(param):
+            return None
+        ONLY_ZEROS.set(param, backward)
+        return storage_view(param, grad.shape, grad.dtype)
+
+    hook._gemm_patch_own = True  # has_tensor_hooks leaves it out
+    return hook
+
+
+def ensure_zero_hook(param: Any) -> None:
+    """``_zero_sum_hook`` registered on ``param`` once (again where something cleared it)."""
+    handle = ZERO_HOOKS.get(param)
+    hooks = getattr(param, "_backward_hooks", None)
+    if handle is not None and hooks is not None and handle.id in hooks:
+        return
+    ZERO_HOOKS.set(param, param.register_hook(_zero_sum_hook(param)))
+
+
+def remove_zero_hooks() -> None:
+    """Every ``_zero_sum_hook`` removed (``revert()``)."""
+    for _, (ref, handle) in list(ZERO_HOOKS._items.items()):
+        if ref() is not None and handle is not None:
+            handle.remove()
+    ZERO_HOOKS._items.clear()
+
+
+def only_zeros(param: Any) -> bool:
+    """Whether only a recorded zero dummy reached ``param``'s gradient in this backward."""
+    backward = current_backward()
+    return backward is not None and backward >= 0 and ONLY_ZEROS.get(param) == backward
+
+
+def lookup_written(param: Any) -> bool:
+    """Whether fsdp-embedding-wgrad wrote a lookup gradient into ``param``'s main_grad in this
+    backward (its ``param.grad`` holds only other uses' gradients: to be added)."""
+    backward = current_backward()
+    return backward is not None and backward >= 0 and LOOKUP_WRITTEN.get(param) == backward
 
 
 def _warn_unmanaged(param: Any) -> None:
@@ -236,11 +351,30 @@ def has_tensor_hooks(param: Any) -> bool:
     ``param.grad``) not defined in megatron's code (Megatron-FSDP's ``_grad_acc`` deletes the
     dummy unread). What such a hook writes must reach only what it reaches upstream, never
     main_grad."""
-    if getattr(param, "_backward_hooks", None):
+    hooks = getattr(param, "_backward_hooks", None) or {}
+    if any(not getattr(hook, "_gemm_patch_own", False) for hook in hooks.values()):
         return True
     post = getattr(param, "_post_accumulate_grad_hooks", None)
     return bool(post) and not all(
         getattr(getattr(hook, "func", hook), "__module__", "").startswith("megatron") for hook in post.values())
+
+
+def storage_view(param: Any, shape: Any, dtype: Any) -> Any:
+    """A ``dtype`` tensor of ``shape`` over the first bytes of ``param.main_grad`` (contiguous, on
+    the parameter's device, large enough, outside capture and anomaly mode), or None. Only for a
+    gradient nothing will read or write."""
+    main_grad = getattr(param, "__dict__", {}).get("main_grad")
+    if main_grad is None:
+        return None
+    nbytes = dtype.itemsize
+    for n in shape:
+        nbytes *= n
+    if (not main_grad.is_contiguous() or main_grad.device != param.device
+            or main_grad.numel() * main_grad.element_size() < nbytes or view_forbidden(main_grad)):
+        return None
+    import torch
+
+    return main_grad.view(-1).view(torch.uint8)[:nbytes].view(dtype).view(shape)
 
 
 def main_grad_alias(param: Any, shape: Any, dtype: Any) -> Any:
@@ -255,16 +389,7 @@ def main_grad_alias(param: Any, shape: Any, dtype: Any) -> Any:
     megatron's own dummy keeps its fixed address), outside anomaly mode, over a contiguous
     main_grad on the same device that holds at least as many bytes."""
     attrs = getattr(param, "__dict__", {})
-    main_grad = attrs.get("main_grad")
-    if (attrs.get("_gbuf") is None or main_grad is None or any(attrs.get(m) for m in SHARED_MARKS)
-            or has_tensor_hooks(param)):
+    if (attrs.get("_gbuf") is None or attrs.get("main_grad") is None or any(attrs.get(m) for m in SHARED_MARKS)
+            or has_tensor_hooks(param) or param.grad is not None):
         return None
-    import torch
-
-    nbytes = dtype.itemsize
-    for n in shape:
-        nbytes *= n
-    if (param.grad is not None or not main_grad.is_contiguous() or main_grad.device != param.device
-            or main_grad.numel() * main_grad.element_size() < nbytes or view_forbidden(main_grad)):
-        return None
-    return main_grad.view(-1).view(torch.uint8)[:nbytes].view(dtype).view(shape)
+    return storage_view(param, shape, dtype)

@@ -210,7 +210,9 @@ def apply_quietly(strict: bool | None = None) -> None:
                 _patch_module(live, reexecuted=False)
         _state.looked_again = False
         installed, _state.to_search = _state.to_search, set()
-        _search_built_before(installed)
+        # Strict mode refuses an instance that runs upstream's code whenever it is asked, also on an
+        # apply() that installs nothing new: every installed target is searched again.
+        _search_built_before(set(_state.installs) if cfg.strict else installed)
 
 
 def _wait_for_half_imported_modules() -> None:

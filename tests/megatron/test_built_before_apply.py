@@ -160,3 +160,30 @@ def test_strict_mode_refuses_a_megatron_fsdp_built_before_apply(parallel, fsdp, 
         gemm_patch.revert()
         gemm_patch.apply()
         remove_hooks(early)
+
+
+@needs_code
+@pytest.mark.parametrize("how", ["argument", "variable"])
+def test_strict_mode_refuses_at_a_second_apply_while_one_is_bypassed(parallel, fsdp, warnings, monkeypatch, how):
+    """Applied already, a MegatronFSDP built before reads ``bypassed``; ``apply(strict=True)``
+    (or ``GEMM_PATCH_STRICT=1`` and ``apply()``) then raises, as strict mode says, instead of
+    returning a status that reads strict and bypassed at once (0.5.0)."""
+    target, module = fsdp
+    gemm_patch.apply()
+    torch.manual_seed(0)
+    model = TiedLM(tied=True)
+    early = build_unpatched(lambda: wrap(module, model, True))
+    try:
+        assert state(target.name).state == "bypassed"
+        refused = re.escape(f"{target.name}: 1 MegatronFSDP {WORDS}") + ".*GEMM_PATCH_STRICT=1"
+        with pytest.raises(gemm_patch.GemmPatchError, match=refused):
+            if how == "argument":
+                gemm_patch.apply(strict=True)
+            else:
+                monkeypatch.setenv("GEMM_PATCH_STRICT", "1")
+                gemm_patch.apply()
+    finally:
+        monkeypatch.delenv("GEMM_PATCH_STRICT", raising=False)
+        gemm_patch.revert()
+        gemm_patch.apply()
+        remove_hooks(early)

@@ -274,6 +274,10 @@ def wgrad_accumulates(param: Any) -> bool:
     if param is None:
         return False
     attrs = getattr(param, "__dict__", {})
+    if attrs.get("_gbuf") is None and isinstance(attrs.get("overwrite_main_grad"), bool):
+        # Not v1's buffer: Megatron-FSDP v2 (``fully_shard``) marks each parameter with Transformer
+        # Engine's own flag, ``overwrite_main_grad``, which says it: False adds, True writes over.
+        return not attrs["overwrite_main_grad"]
     if attrs.get("_gbuf") is not None and MANAGED.get(param) is None and MET_UNMANAGED.get(param) is None:
         # Megatron-FSDP hooks that are not the twin's: a MegatronFSDP built before apply()?
         MET_UNMANAGED.set(param, True)

@@ -136,8 +136,11 @@ def test_off_arg_and_iters_arg_for_override_style_commands(gemm_patch_compare):
     assert code == 0, out
     assert calls[1]["argv"][-6:] == ["train.train_iters=5", "--train-iters", "5", "--log-interval", "1",
                                      "model.gradient_accumulation_fusion=false"]
-    # cut to 5 iterations, logged every 5th: iterations 2-4 ran unseen, so nothing past 1 is judged
+    # cut to 5 iterations, logged every 5th: judged at 1 and 5, iterations 2-4 said
     code, out, _, _ = gemm_patch_compare("--iters", "5", "--iters-arg", "--train-iters {n} --seed 1")
+    assert code == 0 and "iterations 2, 3, 4 not logged, not judged" in out
+    # cut to 4: nothing after the first step logged, so nothing carried between steps is seen
+    code, out, _, _ = gemm_patch_compare("--iters", "4", "--iters-arg", "--train-iters {n} --seed 1")
     assert code == compare.EXIT_NOT_COMPARED and "verdict: not compared at iteration 2: iterations 2, 3, 4 ran" in out
     assert "--no-gradient-accumulation-fusion" not in calls[1]["argv"]
     # an --off-arg that does not turn fusion off: the fusion-off run is megatron alone with fusion on
@@ -525,3 +528,14 @@ def test_iterations_the_logs_leave_out_are_never_same(gemm_patch_compare):
     # logged every iteration (the default with --iters), a defect from iteration 5 is found there
     code, out, _, _ = gemm_patch_compare("--iters", "6", fault="lost_later")
     assert code == compare.EXIT_DIFFERS and "verdict: differs at iteration 5" in out
+
+
+def test_a_first_logged_iteration_after_the_first_step_is_judged_against_the_drift(gemm_patch_compare, monkeypatch):
+    """Megatron-Bridge logs from iteration 5: that iteration is past the first step, so it is
+    judged as later ones are (against the run-to-run drift), not with a first step's bound: the
+    same runs get the same verdict logged from 1 and logged from 5."""
+    from_one = gemm_patch_compare(fault="drift")
+    monkeypatch.setenv("FAKE_PRETRAIN_NO_FIRST_LINE", "1")
+    from_five = gemm_patch_compare(fault="drift")
+    assert from_one[0] == from_five[0] == 0, (from_one[1], from_five[1])
+    assert "noise measured by 1 more fusion-off run" in from_five[1]

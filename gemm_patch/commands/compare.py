@@ -184,7 +184,7 @@ def judge(on: Log, off: Log, loss_rtol: float, grad_norm_rtol: float, judge_unti
         reason, cannot = None, _not_comparable(x, y, labels)
         if cannot is None:
             reason = _beyond(x, y, loss_rtol, grad_norm_rtol)
-            if reason and n != min(a):  # past where both start equal: against the measured drift
+            if reason and n != 1:  # past the first step, where both start equal: against the measured drift
                 drift = envelope.get(n) if noise_measured else None
                 if isinstance(drift, str):
                     reason, cannot = None, drift
@@ -363,9 +363,9 @@ def decide(runs: Sequence[Run], args: argparse.Namespace, off_args: Sequence[str
     judged, uncompared = comparison["judged_iterations"], comparison["first_not_compared"]
     unlogged = unlogged_iterations(on.log, off.log, min(args.judge_until, args.iters or args.judge_until))
     shown = ", ".join(map(str, unlogged[:5])) + (", ..." if len(unlogged) > 5 else "")
-    if judged and not uncompared and unlogged and args.iters:
-        # The runs were cut to --iters: every iteration in the window ran, and a defect from the
-        # second step on shows only in an iteration the logs left out.
+    if judged and not uncompared and unlogged and args.iters and not any(n > 1 for n in judged):
+        # Cut to --iters, the logs show nothing after the first step: a defect from the second
+        # step on (state carried between steps) cannot show.
         uncompared = {"iteration": unlogged[0],
                       "why": f"iterations {shown} ran but neither log shows them (the command's log interval; "
                              "with it at 1 every iteration up to --judge-until is judged)"}

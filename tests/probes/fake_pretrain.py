@@ -121,8 +121,8 @@ def main(argv: list[str]) -> int:
     extra_mb = 1002.0 if fused and fault == "memory" else 0.0
     reported = 0
     for it in range(1, iters + 1):
-        if it != 1 and it % interval:
-            continue
+        if (it != 1 or os.environ.get("FAKE_PRETRAIN_NO_FIRST_LINE")) and it % interval:
+            continue  # FAKE_PRETRAIN_NO_FIRST_LINE: Megatron-Bridge's log, from the first full interval
         # each run parts from the one before by 6 % per 5 iterations, in alternating directions
         drift = 1 + (0.03 * it / 5 * (-1) ** run_index if fault == "drift" and it > 1 else 0.0)
         loss = 5.78 * math.exp(-0.05 * it) * (1 + 1e-6 * fused) * (1 + (drift - 1) / 10)

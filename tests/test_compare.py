@@ -160,7 +160,8 @@ def test_json_record(gemm_patch_compare, tmp_path):
     assert on["memory"][-1]["allocated_mb"] - off["memory"][-1]["allocated_mb"] == pytest.approx(1002.0)
     assert on["step_ms"] == 296.0 and off["command"][-1] == "--no-gradient-accumulation-fusion"
     assert record["tolerance"] == {"loss_rtol": 1e-3, "grad_norm_rtol": 1e-2, "grad_norm_printed": 1e-3,
-                                   "judge_until": 20, "parameter_bound": 2 ** -7, "noise_factor": 3.0}
+                                   "judge_until": 20, "parameter_bound": 2 ** -7, "noise_factor": 3.0,
+                                   "perturbation": 2 ** -8}
 
 
 def test_usage_errors_exit_2(gemm_patch_compare):
@@ -539,3 +540,56 @@ def test_a_first_logged_iteration_after_the_first_step_is_judged_against_the_dri
     from_five = gemm_patch_compare(fault="drift")
     assert from_one[0] == from_five[0] == 0, (from_one[1], from_five[1])
     assert "noise measured by 1 more fusion-off run" in from_five[1]
+
+
+def test_a_defect_from_the_second_step_differs_at_iteration_2_naming_the_parameter(gemm_patch_compare, monkeypatch):
+    """One parameter's first-step gradient carried into the second (a main grad not zeroed between
+    steps), too small a part of the global grad norm to show there: every time, "differs at
+    iteration 2" naming it, judged against the perturbed fusion-off run compare makes for it."""
+    monkeypatch.setenv("FAKE_PRETRAIN_PROBE", "1")
+    for _ in range(20):
+        code, out, _, calls = gemm_patch_compare("--iters", "6", fault="keep_grad")
+        assert code == compare.EXIT_DIFFERS, out
+        assert "verdict: differs at iteration 2: parameter shift: gradient norm" in out
+        assert len(calls) == 3 and calls[2]["env"]["GEMM_PATCH_GRAD_PROBE_PERTURB"] == repr(2.0 ** -8)
+
+
+def test_a_run_that_drifts_by_its_own_noise_never_differs(gemm_patch_compare, monkeypatch):
+    """Every run, fusion off too, parts from the others by its own noise from iteration 3: judged
+    against the perturbed reference's drift, never "differs" (0.5.0: 3 in 5); every parameter
+    agreed at iterations 1 and 2, so a later part beyond the drift is at most "drifts" (exit 4)."""
+    monkeypatch.setenv("FAKE_PRETRAIN_PROBE", "1")
+    verdicts = []
+    for _ in range(20):
+        code, out, _, _ = gemm_patch_compare("--iters", "10", fault="noisy")
+        assert code in (compare.EXIT_SAME, compare.EXIT_DRIFTS), out
+        verdicts.append(code)
+    assert "per parameter at iteration 2 (3 judged" in out
+
+
+def test_bridges_log_is_proven_from_the_probe_and_judged(gemm_patch_compare, monkeypatch):
+    """Megatron-Bridge prints no fusion line where fusion is at its default and logs from its first
+    full log interval: the toggle is proven from what the probe read in the model's configuration,
+    and the first logged iteration is judged as a later one."""
+    monkeypatch.setenv("FAKE_PRETRAIN_PROBE", "1")
+    monkeypatch.setenv("FAKE_PRETRAIN_NO_FIRST_LINE", "1")
+    code, out, _, _ = gemm_patch_compare("--iters", "10", "--iters-arg", "train.train_iters={n} --train-iters {n}",
+                                         "--off-arg", "model.gradient_accumulation_fusion=false", fault="no_args")
+    assert code == 0, out
+    assert "verdict: same" in out and "per parameter at iteration 1 (3 judged" in out
+    # without the probe nothing shows the toggle
+    monkeypatch.delenv("FAKE_PRETRAIN_PROBE")
+    code, out, _, _ = gemm_patch_compare("--iters", "10", "--iters-arg", "train.train_iters={n} --train-iters {n}",
+                                         "--off-arg", "model.gradient_accumulation_fusion=false", fault="no_args")
+    assert code == compare.EXIT_UNREADABLE and "nor the gradient probe's reading" in out
+
+
+def test_bridges_iteration_line_is_read():
+    """A line as Megatron-Bridge 0.6's training_log prints it (its own date format and fields)."""
+    line = (" [2026-12-01 10:11:12] iteration        5/      10 | consumed samples:          160 | elapsed time per "
+            "iteration (ms): 812.3 | learning rate: 1.500000E-04 | global batch size:    32 | lm loss: 9.005912E+00 | "
+            "loss scale: 1.0 | grad norm: 3.141 | number of skipped iterations:   0 | number of nan iterations:   0 |")
+    log = compare.parse_log("gradient_accumulation_fusion: True\n" + line + "\n")
+    it = log.iterations[0]
+    assert (it.iteration, it.of, it.loss, it.grad_norm, it.step_ms) == (5, 10, 9.005912, 3.141, 812.3)
+    assert log.fusion == [True]

@@ -48,8 +48,23 @@ def test_each_parameter_judged_and_one_lost_parameter_differs_where_the_global_n
     code, lost = compare(tmp_path / "lost", release, sys.executable, STAND_IN, MEGATRON_PRETRAIN_FAULT="lose_scale")
     assert code == 1 and lost["verdict"] == "differs", lost["summary"]
     assert lost["summary"].startswith("differs at iteration 1: parameter module.scale: ")
-    assert lost["first_difference"] is None  # megatron's loss and grad norm alone: no difference
+    assert lost["first_difference"]["iteration"] == 1 and lost["first_difference"]["parameter"] == "module.scale"
+    assert all(not r["differs"] for r in lost["rows"])  # megatron's loss and grad norm alone: no difference
     assert lost["rows"][0]["grad_norm"][0] == lost["rows"][0]["grad_norm"][1]
+
+
+def test_a_defect_from_the_second_step_is_named_at_iteration_2(tmp_path):
+    """A main grad not zeroed between steps (the first step's gradient of ``scale`` carried into the
+    second) shows neither at iteration 1 nor in the global values: the probe's second-step records,
+    judged against the perturbed fusion-off run compare makes, name it at iteration 2; the same runs
+    without the fault are "same" with iteration 2 judged."""
+    code, same = compare(tmp_path / "same", MEGATRON_RELEASE, sys.executable, STAND_IN)
+    assert code == 0 and same["parameters_step2"]["judged"] and not same["parameters_step2"]["differs"], same["summary"]
+    assert same["runs"]["off_repeat1"]["env"][grad_probe.PERTURB_ENV] == repr(2.0 ** -8)
+    code, kept = compare(tmp_path / "kept", MEGATRON_RELEASE, sys.executable, STAND_IN,
+                         MEGATRON_PRETRAIN_FAULT="keep_scale")
+    assert code == 1 and kept["summary"].startswith("differs at iteration 2: parameter module.scale: "), kept["summary"]
+    assert kept["first_difference"]["iteration"] == 2
 
 
 def probe_records(tmp_path: Path, *options: str) -> dict[int, dict]:
@@ -127,7 +142,7 @@ def test_two_ranks_under_torchrun_a_lost_parameter_is_named_with_its_rank(tmp_pa
     code, lost = compare(tmp_path, MEGATRON_RELEASE, *command, MEGATRON_PRETRAIN_FAULT="lose_scale")
     assert code == 1 and lost["runs"]["on"]["probe"]["ranks"] == [0, 1], lost["summary"]
     assert lost["summary"].startswith("differs at iteration 1: parameter module.scale (rank ")
-    assert lost["first_difference"] is None
+    assert lost["first_difference"]["parameter"] == "module.scale"
 
 
 def test_off_nothing_is_wrapped_and_on_the_training_is_unchanged(tmp_path):

@@ -55,7 +55,11 @@ from .launcher import launch_env
 
 __all__ = ["Iteration", "Log", "MemoryReport", "judge", "main", "parse_log"]
 
-EXIT_SAME, EXIT_DIFFERS, EXIT_UNREADABLE, EXIT_NOT_COMPARED = 0, 1, 2, 3
+EXIT_SAME, EXIT_DIFFERS, EXIT_UNREADABLE, EXIT_NOT_COMPARED, EXIT_DRIFTS = 0, 1, 2, 3, 4
+# The reference runs' first-step gradients, each element times 1 +- this (one bf16 unit roundoff):
+# a difference of the size fusion on and off make, so that the reference parts from fusion off as a
+# correct fused run does (gemm_patch/engine/grad_probe.py, GEMM_PATCH_GRAD_PROBE_PERTURB).
+PERTURBATION = 2.0 ** -8
 DEFAULT_OFF_ARGS = ("--no-gradient-accumulation-fusion",)
 DEFAULT_ITERS_ARG = "--train-iters {n}"
 EVERY_ITERATION_LOGGED = ("--log-interval", "1")
@@ -83,6 +87,7 @@ class Run:
     log: Log = field(default_factory=Log)
     tail: list[str] = field(default_factory=list)
     probe: dict[int, dict[str, Any]] = field(default_factory=dict)
+    probe2: dict[int, dict[str, Any]] = field(default_factory=dict)  # the second step's records
 
     @property
     def probe_dir(self) -> str:
@@ -117,6 +122,7 @@ def execute(run: Run, env: Mapping[str, str], progress: TextIO) -> Run:
     text = read_text(run.log_path)
     run.log, run.tail = parse_log(text), text.splitlines()[-TAIL_LINES:]
     run.probe = grad_probe.read(run.probe_dir)
+    run.probe2 = grad_probe.read(os.path.join(run.probe_dir, grad_probe.STEP2))
     return run
 
 
@@ -272,6 +278,14 @@ def render(runs: Sequence[Run], result: dict[str, Any], out: TextIO) -> None:
                   f"{compare_params.describe(params['worst'], _ranks(on))}", file=out)
         else:
             print(f"\nper parameter: global values only: {params['why']}", file=out)
+    params2 = result.get("parameters_step2")
+    if params2 and params["judged"]:
+        if params2["judged"]:
+            count = params2.get("parameters", params2["count"])
+            print(f"per parameter at iteration 2 ({count} judged, bound max(2^-7, 3 x the perturbed reference's)); "
+                  f"worst: {compare_params.describe(params2['worst'], _ranks(on))}", file=out)
+        else:
+            print(f"per parameter at iteration 2: not judged: {params2['why']}", file=out)
     print(f"\nverdict: {result['summary']}", file=out)
 
 
@@ -297,16 +311,27 @@ def astuple_mb(m: MemoryReport) -> tuple[float, float, float, float]:
     return m.allocated_mb, m.max_allocated_mb, m.reserved_mb, m.max_reserved_mb
 
 
+def fusion_seen(run: Run) -> list[bool]:
+    """The gradient-accumulation fusion settings a run shows: megatron's argument dump, or, where
+    the log has none (Megatron-Bridge prints only what differs from its defaults), what the
+    gradient probe read from the model's own configuration on every rank."""
+    if run.log.fusion:
+        return list(run.log.fusion)
+    return [value for rec in run.probe.values() for value in rec.get("fusion") or () if isinstance(value, bool)]
+
+
 def unproven(on: Run, off: Run, off_args: Sequence[str]) -> str | None:
     """What is missing to show that the fusion-on run ran fused under gemm-patch and the fusion-off
     run unfused, or None."""
-    if not on.log.fusion or not off.log.fusion:
-        which = " and ".join(r.label for r in (on, off) if not r.log.fusion)
-        return (f"cannot find {FUSION_LINE} in the {which} run's log: nothing shows that fusion was on in one run "
-                "and off in the other (megatron-core prints its arguments at start-up, on rank 0)")
-    if not all(on.log.fusion):
-        return f"the {on.label} run ran with gradient_accumulation_fusion False ({FUSION_LINE})"
-    if any(off.log.fusion):
+    fusion = {run.key: fusion_seen(run) for run in (on, off)}
+    if not fusion[on.key] or not fusion[off.key]:
+        which = " and ".join(r.label for r in (on, off) if not fusion[r.key])
+        return (f"cannot find {FUSION_LINE} in the {which} run's log, nor the gradient probe's reading of the "
+                "model's configuration: nothing shows that fusion was on in one run and off in the other "
+                "(megatron-core prints its arguments at start-up, on rank 0)")
+    if not all(fusion[on.key]):
+        return f"the {on.label} run ran with gradient_accumulation_fusion False ({FUSION_LINE} or the probe's record)"
+    if any(fusion[off.key]):
         return (f"the {off.label} run ran with gradient_accumulation_fusion True ({FUSION_LINE}): the command did "
                 f"not pass on {shlex.join(off_args)} (a wrapper script?); --off-arg sets what turns fusion off")
     errors = [line for line in on.log.gemm_patch_lines if line.startswith("[gemm_patch] ERROR")]
@@ -344,19 +369,32 @@ def decide(runs: Sequence[Run], args: argparse.Namespace, off_args: Sequence[str
                 "summary": f"not proven: {missing}"}
     params = compare_params.judge_parameters(on.probe, off.probe, [r.probe for r in noise]) \
         if not args.no_probe else {"judged": False, "why": "--no-probe"}
+    params2 = second_step(on, off, noise, args)
     per_parameter = (f"each parameter's gradient within max(2^-7, 3 x noise){compare_params.unjudged(params)}, "
                      if params["judged"] else "")
+    second = (f"; at iteration 2 each parameter's gradient within max(2^-7, 3 x its difference in the perturbed "
+              f"fusion-off run{'s' if len(noise) > 1 else ''})" if params2["judged"] else "")
     rule = (f"at iteration 1 {per_parameter}lm loss within "
             f"{args.loss_rtol:g} and grad norm within {args.grad_norm_rtol:g} (relative; +{GRAD_NORM_PRINTED:g} for "
-            f"the printed grad norm); later iterations up to {args.judge_until} within the same or within "
-            f"{NOISE_FACTOR:g} x the run-to-run drift of fusion off")
-    base = {"comparison": comparison, "rule": rule, "parameters": params}
+            f"the printed grad norm){second}; later iterations up to {args.judge_until} within the same or within "
+            f"{NOISE_FACTOR:g} x the drift of fusion off from its perturbed repeats")
+    base = {"comparison": comparison, "rule": rule, "parameters": params, "parameters_step2": params2}
     scope = "" if params["judged"] else f" (global values only: {params['why']})"
-    if params["judged"] and params["differs"]:
-        why = compare_params.describe(params["worst"], _ranks(on))
-        return {**base, "verdict": "differs", "exit_code": EXIT_DIFFERS, "summary": f"differs at iteration 1: {why}",
-                "first_difference": {"iteration": 1, "why": why, "parameter": params["worst"]["parameter"]}}
     first = comparison["first_difference"]
+    for step, judged in ((1, params), (2, params2)):
+        if first and first["iteration"] < step:
+            break
+        if judged["judged"] and judged["differs"]:
+            why = compare_params.describe(judged["worst"], _ranks(on))
+            return {**base, "verdict": "differs", "exit_code": EXIT_DIFFERS,
+                    "summary": f"differs at iteration {step}: {why}",
+                    "first_difference": {"iteration": step, "why": why, "parameter": judged["worst"]["parameter"]}}
+    if first and first["iteration"] > 2 and params["judged"] and params2["judged"]:
+        # Every parameter agreed at the first two steps: a later part beyond the perturbed runs'
+        # drift is weak evidence (a chaotic model parts at its own pace), not a difference.
+        return {**base, "verdict": "drifts", "exit_code": EXIT_DRIFTS,
+                "summary": f"drifts at iteration {first['iteration']}: {first['why']}; every parameter agreed at "
+                           "iterations 1 and 2: weak evidence (more --noise-runs measure the drift better)"}
     if first:
         return {**base, "verdict": "differs", "exit_code": EXIT_DIFFERS,
                 "summary": f"differs at iteration {first['iteration']}: {first['why']}{scope}"}
@@ -382,6 +420,20 @@ def decide(runs: Sequence[Run], args: argparse.Namespace, off_args: Sequence[str
                        + (f"; iterations {shown} not logged, not judged" if unlogged else "")}
 
 
+def second_step(on: Run, off: Run, noise: Sequence[Run], args: argparse.Namespace) -> dict[str, Any]:
+    """Each parameter at iteration 2, judged against the perturbed reference runs (one optimizer
+    step from first-step gradients a rounding apart: what a correct fused run may differ by);
+    not judged without them."""
+    if args.no_probe:
+        return {"judged": False, "why": "--no-probe"}
+    if not (on.probe2 and off.probe2):
+        return {"judged": False, "why": "no second-step record (a run of one step, or no probe)"}
+    references = [r.probe2 for r in noise if r.probe2]
+    if not references:
+        return {"judged": False, "why": "no perturbed fusion-off run to measure what one step moves (--noise-runs 0)"}
+    return compare_params.judge_parameters(on.probe2, off.probe2, references)
+
+
 def _finite(value: Any, path: str, flags: dict[str, str]) -> Any:
     """``value`` with every NaN or infinity replaced by None, each one's path and value in ``flags``."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -404,10 +456,11 @@ def as_record(command: list[str], runs: Sequence[Run], result: dict[str, Any],
         "summary": result["summary"],
         "first_difference": result.get("first_difference", comparison.get("first_difference")),
         "first_not_compared": result.get("first_not_compared", comparison.get("first_not_compared")),
-        "parameters": result.get("parameters"),
+        "parameters": result.get("parameters"), "parameters_step2": result.get("parameters_step2"),
         "tolerance": {"loss_rtol": args.loss_rtol, "grad_norm_rtol": args.grad_norm_rtol,
                       "grad_norm_printed": GRAD_NORM_PRINTED, "judge_until": args.judge_until,
-                      "parameter_bound": compare_params.BF16_BOUND, "noise_factor": NOISE_FACTOR},
+                      "parameter_bound": compare_params.BF16_BOUND, "noise_factor": NOISE_FACTOR,
+                      "perturbation": PERTURBATION},
         "rows": comparison.get("rows", []),
         "runs": {run.key: {"label": run.label, "command": run.command, "env": run.env_changes, "rc": run.rc,
                            "seconds": run.seconds, "log": run.log_path, "step_ms": run.log.step_ms(),
@@ -584,12 +637,17 @@ def main(args: argparse.Namespace) -> int:
             if wanted is None:
                 first = decide(runs, args, off_args)
                 needed = (first.get("comparison") or {}).get("needs_noise")
-                wanted = 1 if needed and first["verdict"] == "not compared" else 0
+                # The second step's records are judged against a perturbed reference: one run.
+                step2 = not args.no_probe and all(run.probe2 for run in runs[:2])
+                wanted = 1 if (needed and first["verdict"] == "not compared") or \
+                    (step2 and first["verdict"] in ("same", "not compared", "drifts")) else 0
+            perturbed = {} if args.no_probe else {grad_probe.PERTURB_ENV: repr(PERTURBATION)}
             for i in range(1, wanted + 1):
-                noise = make(f"off_repeat{i}", f"fusion off, repeated ({i})", off_args, off_changes, off_shown)
+                noise = make(f"off_repeat{i}", f"fusion off, perturbed ({i})", off_args,
+                             {**off_changes, **perturbed}, off_shown)
                 _clear(noise.probe_dir)
                 runs.append(noise)
-                _start(noise, off_env, args.no_probe, started)
+                _start(noise, {**off_env, **perturbed}, args.no_probe, started)
     except Interrupted as exc:
         print(f"gemm-patch compare: {exc} during the {started[-1].label} run: ended its processes "
               f"(logs in {logs})", file=sys.stderr)
@@ -615,7 +673,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _clear(folder: str) -> None:
-    for path in Path(folder).glob("rank*.json"):
+    for path in [*Path(folder).glob("rank*.json"), *Path(folder, grad_probe.STEP2).glob("rank*.json")]:
         path.unlink()
 
 

@@ -1,7 +1,10 @@
 """A read-only gradient probe: with ``GEMM_PATCH_GRAD_PROBE=FOLDER`` set, record every parameter's
-reduced gradient once, right after megatron-core's first ``finalize_model_grads`` (the end of the
+reduced gradient right after megatron-core's first ``finalize_model_grads`` (the end of the
 first step's gradient reduction: the data-parallel reduce, the tied-embedding and layer-norm
-all-reduces, the per-token scaling), into ``FOLDER/rank<R>.json`` on every rank.
+all-reduces, the per-token scaling), into ``FOLDER/rank<R>.json`` on every rank, and after the
+second into ``FOLDER/step2/rank<R>.json``. Each record also says the gradient-accumulation fusion
+setting of the model chunks' configuration (``fusion``): what the model ran with, whatever the
+framework printed.
 ``gemm-patch compare`` sets it in both of its runs (the fusion-off run too, with every patch off:
 the probe is installed even where ``GEMM_PATCH=0``) and judges each parameter.
 
@@ -26,7 +29,11 @@ Ranks of other groups (tensor, pipeline) record their own parameters.
 
 Read-only: nothing it does writes to a tensor of the model or changes an argument or a result;
 a failure is recorded (``error``) and the training goes on. Without the variable nothing is
-installed (``install`` is not called).
+installed (``install`` is not called). The one exception is asked for separately:
+``GEMM_PATCH_GRAD_PROBE_PERTURB=R`` (compare's reference runs) multiplies each element of every
+gradient by 1 + R or 1 - R (a fixed pseudo-random sign per element) right after the first step's
+record, a rounding-sized difference such as fusion on and off make, so that such a run parts from
+its twin as a correct fused run would.
 """
 
 from __future__ import annotations
@@ -38,13 +45,16 @@ from pathlib import Path
 from typing import Any
 
 ENV = "GEMM_PATCH_GRAD_PROBE"
+PERTURB_ENV = "GEMM_PATCH_GRAD_PROBE_PERTURB"
+STEPS = 2  # the steps recorded: the first in FOLDER, the second in FOLDER/step2
+STEP2 = "step2"
 MODULE = "megatron.core.distributed.finalize_model_grads"
 PROJECTIONS = 8
 _PRIME = 2147483647
 _MULTIPLIERS = (48271, 69621, 16807, 39373, 950706376, 742938285, 1226874159, 62089911)
 _CHUNK = 1 << 22
 
-_done = False
+_calls = 0
 
 
 def requested() -> str | None:
@@ -72,15 +82,55 @@ def _wrap(module: Any) -> None:
 
 
 def _after_first_reduction(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    global _done
+    global _calls
     result = wrapped(*args, **kwargs)
-    if not _done:
-        _done = True
+    if _calls < STEPS:
+        _calls += 1
         model = args[0] if args else kwargs.get("model")
+        chunks = model if isinstance(model, (list, tuple)) else [model]
         folder = requested()
         if folder:
-            write(folder, record(model if isinstance(model, (list, tuple)) else [model]))
+            write(folder if _calls == 1 else os.path.join(folder, STEP2), record(chunks))
+        if _calls == 1 and perturbation():
+            perturb(chunks, perturbation())
     return result
+
+
+def perturbation() -> float:
+    """``GEMM_PATCH_GRAD_PROBE_PERTURB`` as a number (0 where unset or not a positive number)."""
+    try:
+        value = float(os.environ.get(PERTURB_ENV, "0"))
+    except ValueError:
+        return 0.0
+    return value if 0 < value < 1 else 0.0
+
+
+def perturb(chunks: Iterable[Any], size: float) -> None:
+    """Each gradient element times 1 + size or 1 - size, the sign a fixed pseudo-random one of
+    its index in the parameter (the same on every rank holding it); never raises."""
+    try:
+        for _, _, param in _named_parameters(chunks):
+            grad = None if type(param).__name__ == "DTensor" else getattr(param, "main_grad", None)
+            grad = param.grad if grad is None else grad
+            if grad is None:
+                continue
+            local = grad.to_local() if type(grad).__name__ == "DTensor" else grad
+            flat = local.detach().view(-1)
+            for lo in range(0, flat.numel(), _CHUNK):
+                part = flat[lo:lo + _CHUNK]
+                part.mul_((1 + size * _signs(lo, lo + part.numel(), 0, part.device)).to(part.dtype))
+    except Exception:  # a reference run that could not be perturbed is still a reference
+        pass
+
+
+def _fusion(chunks: Iterable[Any]) -> list[Any]:
+    """Each chunk's ``config.gradient_accumulation_fusion`` (None where it has none)."""
+    out = []
+    for chunk in chunks:
+        config = getattr(chunk, "config", None) or getattr(getattr(chunk, "module", None), "config", None)
+        value = getattr(config, "gradient_accumulation_fusion", None)
+        out.append(value if isinstance(value, bool) else None)
+    return out
 
 
 def _signs(start: int, stop: int, k: int, device: Any) -> Any:
@@ -168,6 +218,8 @@ def record(chunks: Iterable[Any]) -> dict[str, Any]:
                            "projections": PROJECTIONS, "parameters": {}, "without_gradient": [],
                            "not_recorded": {}, "blocks": {}}
     try:
+        chunks = list(chunks)
+        out["fusion"] = _fusion(chunks)
         out["gemm_patch"] = _gemm_patch_state()
         # rows[i] = [name, numel, contribution]; by_group: id -> (group, [row indices]) for the sums
         rows: list[list[Any]] = []

@@ -27,6 +27,14 @@ gemm-patch's real start-up hook, and prints no line of its own).
 Like megatron it prints its arguments (``gradient_accumulation_fusion ...
 True``) and, where gemm-patch's start-up hook is active, gemm-patch's line (the real one needs a
 megatron import; tests/probes/megatron_pretrain.py runs megatron's real layers instead).
+``noisy`` (from iteration 3 every run, fusion off too, parts from the others by its own random
+noise, a few percent), ``keep_grad`` (the fused run carries its first step's gradient of one
+parameter into the second: a defect from iteration 2).
+``FAKE_PRETRAIN_PROBE=1`` writes gradient-probe records as gemm-patch's probe does where
+``GEMM_PATCH_GRAD_PROBE`` is set (after steps 1 and 2: three parameters, the fused ones 1e-6 off,
+the second step 1e-3 off where ``GEMM_PATCH_GRAD_PROBE_PERTURB`` perturbed the first), with the
+fusion setting the model ran with. ``FAKE_PRETRAIN_NO_FIRST_LINE=1`` logs from the first full
+log interval on, as Megatron-Bridge does.
 ``FAKE_PRETRAIN_ARGV=FILE`` appends this process's argv and state to FILE.
 With megatron's ``--use-pytorch-profiler``, it writes a profiler trace where megatron does (the
 parent of ``--tensorboard-dir``/torch_profile/rank-0.json.gz): a ``ProfilerStep#N`` range per
@@ -63,6 +71,25 @@ def write_trace(argv: list[str], fused: bool) -> None:
                     "tid": 7, "ts": t0 + 50.0, "dur": 100.0 if fused else 120.0}]
     with gzip.open(folder / "rank-0.json.gz", "wt") as f:
         json.dump({"traceEvents": events}, f)
+
+
+def write_probe(fused: bool, patched: bool, fault: str) -> None:
+    """The gradient probe's records of steps 1 and 2 (gemm_patch/engine/grad_probe.py's format)."""
+    folder = os.environ.get("GEMM_PATCH_GRAD_PROBE")
+    if not folder or not os.environ.get("FAKE_PRETRAIN_PROBE"):
+        return
+    perturbed = float(os.environ.get("GEMM_PATCH_GRAD_PROBE_PERTURB", "0") or 0) > 0
+    for step, where in ((1, folder), (2, os.path.join(folder, "step2"))):
+        params = {}
+        for i, name in enumerate(("embedding.weight", "layer.weight", "shift")):
+            norm = (1.0 + i) * (1 + 1e-6 * fused) * (1 + (1e-3 * (i + 1) if step == 2 and perturbed else 0.0))
+            if step == 2 and fused and fault == "keep_grad" and name == "shift":
+                norm *= 1.9  # the first step's gradient still in it
+            params[name] = {"numel": 16, "norm": norm, "projections": [norm * (1 if k % 2 else -1) for k in range(8)]}
+        Path(where).mkdir(parents=True, exist_ok=True)
+        Path(where, "rank0.json").write_text(json.dumps({
+            "schema": 1, "rank": 0, "parameters": params, "without_gradient": [], "not_recorded": {}, "blocks": {},
+            "fusion": [fused], "gemm_patch": {"enabled": os.environ.get("GEMM_PATCH") != "0", "applied": patched}}))
 
 
 def main(argv: list[str]) -> int:
@@ -118,13 +145,17 @@ def main(argv: list[str]) -> int:
         return 0
     if "--use-pytorch-profiler" in argv:
         write_trace(argv, fused)
+    write_probe(fused, patched, fault)
     extra_mb = 1002.0 if fused and fault == "memory" else 0.0
+    noise = __import__("random").Random(os.urandom(8))
     reported = 0
     for it in range(1, iters + 1):
         if (it != 1 or os.environ.get("FAKE_PRETRAIN_NO_FIRST_LINE")) and it % interval:
             continue  # FAKE_PRETRAIN_NO_FIRST_LINE: Megatron-Bridge's log, from the first full interval
         # each run parts from the one before by 6 % per 5 iterations, in alternating directions
         drift = 1 + (0.03 * it / 5 * (-1) ** run_index if fault == "drift" and it > 1 else 0.0)
+        if fault == "noisy" and it >= 3:
+            drift = 1 + 0.02 * noise.gauss(0.0, 1.0)
         loss = 5.78 * math.exp(-0.05 * it) * (1 + 1e-6 * fused) * (1 + (drift - 1) / 10)
         lost = fused and (fault == "grad_norm" or (fault == "lost_later" and it >= 5))
         grad_norm = 25.7 / it * (0.63 if lost else 1.0) * drift

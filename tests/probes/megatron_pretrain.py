@@ -7,7 +7,9 @@ and megatron's log lines: the argument dump, ``training_log``'s iteration line.
 
 Runs as one process, or one per rank under torchrun (gloo). ``MEGATRON_PRETRAIN_FAULT=lose_scale``
 drops the first micro-batch's gradient of four elements of the small ``scale`` parameter in the fused run (what an
-overwriting wgrad path does to one parameter), too small a part of the global grad norm to show there.
+overwriting wgrad path does to one parameter), too small a part of the global grad norm to show there;
+``keep_scale`` carries ``scale``'s first-step gradient into the second step in the fused run (a main
+grad not zeroed between steps: a defect from iteration 2).
 """
 
 from __future__ import annotations
@@ -97,8 +99,12 @@ def main(argv: list[str]) -> int:
             print_arguments(args)
         model = build(args)
         lose = os.environ.get("MEGATRON_PRETRAIN_FAULT") == "lose_scale" and args.gradient_accumulation_fusion
+        keep = os.environ.get("MEGATRON_PRETRAIN_FAULT") == "keep_scale" and args.gradient_accumulation_fusion
         for it in range(1, args.train_iters + 1):
+            carried = model.module.scale.main_grad.clone() if keep and it == 2 else None
             model.zero_grad_buffer()
+            if carried is not None:
+                model.module.scale.main_grad.add_(carried)
             total = 0.0
             for m in range(args.micro_batches):
                 gen = torch.Generator().manual_seed(1000 * it + 10 * m + rank)

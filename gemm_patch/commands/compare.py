@@ -13,8 +13,9 @@ so it overrides the command's own; ``--iters-arg 'train.train_iters={n}'`` for o
 Both runs carry ``GEMM_PATCH_GRAD_PROBE`` (gemm_patch/engine/grad_probe.py): each rank records every
 parameter's reduced gradient after the first step, beside the run's log.
 
-Proof first (exit 2 where missing): megatron's argument dump says gradient_accumulation_fusion
-True in the fusion-on run and False in the fusion-off run; the fusion-on run shows gemm-patch
+Proof first (exit 2 where missing): megatron's argument dump (or, where the log has none, the
+probe's reading of the model's configuration) says gradient_accumulation_fusion True in the
+fusion-on run and False in the fusion-off run; the fusion-on run shows gemm-patch
 applied (its ``[gemm_patch] INFO`` lines or the probe's record) and no ``[gemm_patch] ERROR``.
 
 Then the verdict (docs/using-with.md, "How it judges"):
@@ -23,10 +24,12 @@ Then the verdict (docs/using-with.md, "How it judges"):
   how each weight gradient is accumulated: each parameter's gradient (the probe's records) within
   max(2^-7, 3 x noise) relative (gemm_patch/commands/compare_params.py), the lm loss within ``--loss-rtol``
   and the grad norm within ``--grad-norm-rtol`` (+0.001: it is printed with 3 decimals);
-- later iterations up to ``--judge-until`` within the same bounds, or, where they part beyond
-  them, within 3 x the run-to-run drift measured by running fusion off again (``--noise-runs``:
-  by default once, only when needed): two correct runs drift apart after their first updates, by
-  an amount that depends on the model (a non-deterministic MoE router parts much sooner);
+- iteration 2, where the probe recorded it in both runs: each parameter within max(2^-7, 3 x its
+  difference in the reference run), fusion off again with its first-step gradients perturbed by one
+  bf16 unit roundoff (``PERTURBATION``): what one step from gradients a rounding apart moves;
+- later iterations up to ``--judge-until`` within the strict bounds, or, where they part beyond
+  them, within 3 x the drift of the perturbed reference runs from fusion off (``--noise-runs``);
+  beyond that after every parameter agreed at iterations 1 and 2: "drifts" (exit 4, weak evidence);
 - a value compare could not compare (NaN or inf, a step the fp16 loss scaler skipped, an
   iteration one run logged and the other did not) is never "same": the verdict says so (exit 3).
 """

@@ -17,8 +17,18 @@ one-rank reduce through megatron's own ``ParamAndGradBuffer`` callers, on both c
 
 from __future__ import annotations
 
+import ast
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from test_mcore_main_targets import ROOT, run_driver
+
+sys.path.insert(0, str(ROOT / "compat"))
+import megatron_lm  # noqa: E402  (compat/megatron_lm.py)
 
 from gemm_patch.targets import one_rank_scale
 from gemm_patch.upstream import megatron_main
@@ -85,3 +95,49 @@ def test_main_scales_once_through_gemm_patch(main_run):
         assert copy["installed"] == [name], (name, copy)
         for method in ("all_reduce_gradients", "reduce_scatter_gradients"):
             assert copy[method] == {"exact": True, "ratio": 0.5}, (name, method, copy[method])
+
+
+def reworded(path: Path, function: str) -> None:
+    """``function``'s docstring in the file at ``path`` replaced by another, and a comment added:
+    what a merge that rewords the explanation and nothing else does."""
+    source = path.read_text()
+    node = next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef) and n.name == function)
+    first = node.body[0]
+    indent = " " * first.col_offset
+    lines = source.splitlines(keepends=True)
+    new = [f'{indent}"""Reworded when merged: the bucket of a one-rank group is scaled here."""\n',
+           f"{indent}# a comment the merge added\n"]
+    has_doc = isinstance(first, ast.Expr) and isinstance(getattr(first, "value", None), ast.Constant) \
+        and isinstance(first.value.value, str)
+    start, end = (first.lineno - 1, first.end_lineno) if has_doc else (first.lineno - 1, first.lineno - 1)
+    path.write_text("".join(lines[:start] + new + lines[end:]))
+
+
+def test_the_fix_merged_with_other_docstrings_still_reads_fixed_upstream(tmp_path):
+    """The merged form of the fix may differ from the recorded head in its docstrings and comments
+    alone: gemm_patch still knows it as fixed upstream (by its code), installs nothing, and the
+    gradient is scaled once, by megatron."""
+    why = megatron_lm.prepare(PR_HEAD)
+    if why:
+        pytest.skip(why)
+    folders = []
+    for folder in megatron_lm.folders(PR_HEAD):
+        copy = tmp_path / folder.name
+        shutil.copytree(folder, copy)
+        for path in copy.rglob("param_and_grad_buffer.py"):
+            if "def gradient_reduce_preprocessing(" in path.read_text():
+                reworded(path, "gradient_reduce_preprocessing")
+        folders.append(copy)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GEMM_PATCH")}
+    env.update(PYTHONPATH=os.pathsep.join([*map(str, folders), str(ROOT), str(ROOT / "tests" / "megatron")]),
+               NO_VCS_VERSION="1", PYTHONWARNINGS="ignore", GEMM_PATCH_LOG_LEVEL="WARNING")
+    out = subprocess.run([sys.executable, "-c", DRIVER], capture_output=True, text=True, env=env, timeout=600,
+                         cwd=str(folders[0]))
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert out.returncode == 0 and line, out.stderr[-4000:]
+    result = __import__("json").loads(line[len("RESULT "):])
+    assert result["states"] == dict.fromkeys(NAMES, "not applicable"), result["states"]
+    for name in NAMES:
+        assert result["copies"][name]["installed"] == ["megatron"]
+        for method in ("all_reduce_gradients", "reduce_scatter_gradients"):
+            assert result["copies"][name][method] == {"exact": True, "ratio": 0.5}

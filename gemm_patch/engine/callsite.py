@@ -66,6 +66,24 @@ def fingerprint(*nodes: ast.AST | None) -> str:
     return hashlib.sha256(dump.encode()).hexdigest()[:16]
 
 
+def code_fingerprint(*nodes: ast.AST | None) -> str:
+    """``fingerprint`` of the nodes without their docstrings (the string that opens a function's or
+    class's body): the same for code that differs only in its docstrings and comments."""
+    bare = []
+    for node in nodes:
+        if node is None:
+            continue
+        node = copy.deepcopy(node)
+        for inner in ast.walk(node):
+            body = getattr(inner, "body", None)
+            if (isinstance(inner, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and body
+                    and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                    and isinstance(body[0].value.value, str)):
+                inner.body = body[1:] or [ast.Pass()]
+        bare.append(node)
+    return fingerprint(*bare)
+
+
 def _source(module: types.ModuleType) -> str:
     try:
         return inspect.getsource(module)

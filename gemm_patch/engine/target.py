@@ -197,6 +197,9 @@ class Inspection:
     applicable: bool
     reason: str
     payload: Any = None
+    # The fingerprint of the same code without its docstrings (``callsite.code_fingerprint``),
+    # where the target takes one: a change upstream recorded as a fix is known by its code alone.
+    code_fingerprint: str | None = None
 
 
 def public_version(version: str | None) -> str:
@@ -334,7 +337,8 @@ class Target:
             if cfg.strict:
                 raise Refused(f"{self.name}: {exc}; refused because GEMM_PATCH_STRICT=1") from None
             return status(SKIPPED, str(exc)), Undo()
-        fixed = self.fixed_upstream.get(found.fingerprint or "")
+        fixed = (self.fixed_upstream.get(found.fingerprint or "")
+                 or self.fixed_upstream.get(found.code_fingerprint or ""))
         if fixed:
             return status(NOT_APPLICABLE, f"{found.reason}: fixed upstream ({fixed}); nothing to patch",
                           found.fingerprint), Undo()

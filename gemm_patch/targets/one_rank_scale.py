@@ -45,6 +45,7 @@ from ..engine.callsite import (
     CallSiteError,
     check_live_function_is_source,
     check_live_is_source,
+    code_fingerprint,
     fingerprint,
     parse_method,
 )
@@ -144,12 +145,12 @@ class OneRankScaleTarget(MethodTarget):
         init, update = parse_method(pgb, self.owner, self.attribute), parse_method(pgb, BUFFERS, UPDATE)
         if init is None or update is None:
             raise CallSiteError(f"{self.where} or {BUFFERS}.{UPDATE} is not in {pgb.__name__}'s file")
-        found = fingerprint(function, init, update)
+        found, code = fingerprint(function, init, update), code_fingerprint(function, init, update)
         if PREMUL not in ast.unparse(function):
-            return Inspection(found, False, f"no `{PREMUL}` in {FUNCTION}")
+            return Inspection(found, False, f"no `{PREMUL}` in {FUNCTION}", code_fingerprint=code)
         check_live_is_source(pgb, self.owner, self.attribute)
         check_live_is_source(pgb, BUFFERS, UPDATE)
-        return Inspection(found, True, "the reduce of buffers on one-rank groups")
+        return Inspection(found, True, "the reduce of buffers on one-rank groups", code_fingerprint=code)
 
     def install(self, module: types.ModuleType, found: Inspection, undo: Undo, cfg: Config) -> str | None:
         pgb, buffers = self._pgb(), self.buffers

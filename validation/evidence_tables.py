@@ -71,7 +71,8 @@ def speed_table() -> str:
         ref_step = ref["step ms (median; each round)"].split(" ")[0]
         rows.append(f"| {c['hidden']}, {c['release']}, {c['tied']} | {c['setting']} | {c['rounds']} | "
                     f"{step} / {ref_step} | {c['vs fusion off']} | {c['same round (pairs: range)']} | "
-                    f"{c['vs fixes off, same round']} | {c['allocated - fusion off']}, {c['max allocated - fusion off']} |")
+                    f"{c['vs fixes off, same round']} | "
+                    f"{c['allocated - fusion off']}, {c['max allocated - fusion off']} |")
     return "\n".join(rows) + "\n"
 
 

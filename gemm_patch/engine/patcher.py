@@ -517,6 +517,15 @@ def _live_status(target: Target, cfg: config.Config | None) -> TargetStatus:
         early = _bypassed(target)
         if early:
             return TargetStatus(st.name, st.module, BYPASSED, early, st.version, st.fingerprint)
+    if st.state in (OFF, REPLACED) and not _state.installs.get(target.name):
+        kept = target.kept_patched()
+        if kept:
+            kinds = ", ".join(sorted({type(obj).__name__ for obj in kept}))
+            one = len(kept) == 1
+            return TargetStatus(st.name, st.module, st.state,
+                                f"{st.reason}; {len(kept)} {kinds} built under the patch keep{'s' if one else ''} "
+                                f"running it (what {'its' if one else 'their'} build set up stays until "
+                                f"{'it is' if one else 'they are'} rebuilt)", st.version, st.fingerprint)
     waiting = st.state == PENDING or (st.state == OFF and cfg is not None and st.reason == target.switched_off(cfg))
     if not waiting or target.module in sys.modules:
         return st

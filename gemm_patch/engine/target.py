@@ -303,6 +303,12 @@ class Target:
         it under the patch where that can be done exactly."""
         return True
 
+    def kept_patched(self) -> list:
+        """The live instances built under this patch that keep running it when it is taken out
+        (what it set up at their build, which cannot be swapped back exactly). Empty (the
+        default): taking the patch out takes it out of every instance."""
+        return []
+
     # -- what a target says ---------------------------------------------------------------
 
     def summary_part(self, st: TargetStatus) -> str:

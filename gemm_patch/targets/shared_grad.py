@@ -248,6 +248,12 @@ class SharedGradTarget(MethodTarget):
         # their order among the host's own hooks, so an instance built before is only reported.
         return instance in HOOKED
 
+    def kept_patched(self) -> list:
+        import sys
+
+        cls = vars(sys.modules.get(self.module) or types.ModuleType("absent")).get(self.owner)
+        return [obj for obj in list(HOOKED) if isinstance(cls, type) and isinstance(obj, cls)]
+
     def install(self, module: types.ModuleType, found: Inspection, undo: Undo, cfg: Config) -> str | None:
         both = found.fingerprint in self.param_arg_fingerprints
         cells = {CELL: add_shared_grad, FLAG_CELL: restore_written_flag,

@@ -187,3 +187,35 @@ def test_strict_mode_refuses_at_a_second_apply_while_one_is_bypassed(parallel, f
         gemm_patch.revert()
         gemm_patch.apply()
         remove_hooks(early)
+
+
+@needs_code
+def test_revert_names_an_instance_built_under_the_patch_that_keeps_running_it(parallel, fsdp):
+    """revert() puts megatron's method back, but a MegatronFSDP built under the patch keeps the
+    hooks its build registered (closures of that call: swapping them would change their order
+    among the host's hooks). Status says so, and it is true: the hooks that instance runs are the
+    twin's. Once the instance is gone, status reads plainly off (0.5.0 read
+    "reverted" alone while the instance ran the fix)."""
+    target, module = fsdp
+    gemm_patch.apply()
+    torch.manual_seed(0)
+    model = TiedLM(tied=True)
+    obj = wrap(module, model, False)
+    try:
+        gemm_patch.revert()
+        st = state(target.name)
+        assert st.state == "off", st
+        assert "1 MegatronFSDP built under the patch keeps running it" in st.reason, st.reason
+        hooks = [h for p in model.parameters() for h in (p._post_accumulate_grad_hooks or {}).values()]
+        assert hooks and all("__gemm_patch_factory__" in h.__qualname__ for h in hooks), \
+            "the instance's hooks are gemm-patch's twin"
+    finally:
+        gemm_patch.apply()
+        remove_hooks(obj)
+    del obj, model, hooks
+    gc.collect()
+    gemm_patch.revert()
+    try:
+        assert "built under the patch" not in state(target.name).reason
+    finally:
+        gemm_patch.apply()

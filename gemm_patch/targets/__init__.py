@@ -14,6 +14,7 @@ from . import (
     fsdp_wgrad,
     nemo_fsdp_gaf,
     one_rank_scale,
+    router_wgrad,
     shared_grad,
     te_dummy_wgrad,
     te_overwrite,
@@ -31,6 +32,7 @@ REGISTRY: tuple[Target, ...] = (
     one_rank_scale.TARGET,  # GEMM_PATCH_ONE_RANK_SCALE: Megatron-FSDP's reduce (expert parallelism)
     one_rank_scale.STANDALONE,
     embedding_wgrad.TARGET,  # GEMM_PATCH_EMBEDDING_WGRAD: the embedding lookup into main_grad
+    router_wgrad.TARGET,  # GEMM_PATCH_MOE_ROUTER_WGRAD: reports a fused router write it has not verified
     fsdp_wgrad.GEMM_TARGET,  # Megatron-LM main's forms of the same fixes
     te_overwrite.BY_STRATEGY_TARGET,
     te_overwrite.BY_STRATEGY_STANDALONE,

@@ -37,14 +37,16 @@ exit status:
      with the patch turned off (GEMM_PATCH=0); doctor --device cuda where torch has no CUDA
      device
   run: the exit status of COMMAND (127: not found, 126: cannot be started)
-  compare: 0 same: the runs agree (per parameter at iteration 1, then within the
-     measured run-to-run drift); 1 they differ, or exactly one run failed; 2 usage error,
-     a log without megatron's iteration lines, both runs failed, or not proven (megatron's
-     argument dump does not show fusion on in one run and off in the other, or the
-     fusion-on run shows no sign of gemm-patch applied); 3 not compared (NaN or inf, a
-     step skipped by the fp16 loss scaler, an iteration one run logged and the other did
-     not, a later iteration past the strict bound with the drift not measured); 130/143
-     interrupted by SIGINT/SIGTERM (both runs' processes ended)
+  compare: 0 same: the runs agree (per parameter at iterations 1 and 2, then within the
+     drift of a perturbed fusion-off run); 1 they differ, or exactly one run failed; 2 usage
+     error, a log without megatron's iteration lines, both runs failed, or not proven
+     (nothing shows fusion on in one run and off in the other, or the fusion-on run shows no
+     sign of gemm-patch applied); 3 not compared (NaN or inf, a step skipped by the fp16
+     loss scaler, an iteration one run logged and the other did not, a later iteration past
+     the strict bound with the drift not measured, a cut run that logged nothing after its
+     first step); 4 drifts: a later iteration past the drift while every parameter agreed
+     at iterations 1 and 2 (weak evidence); 130/143 interrupted by SIGINT/SIGTERM (both
+     runs' processes ended)
 
 Each error ends in one line on stderr, starting with "gemm-patch COMMAND:".
 GEMM_PATCH_LOG_LEVEL=DEBUG also logs the warnings that importing megatron raises

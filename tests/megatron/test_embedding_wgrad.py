@@ -6,7 +6,8 @@ Proven here, per release: every parameter within bf16 rounding of fp64 autograd 
 MTP, persistent and fresh buckets, one bucket per parameter or one for all); the lookup never
 becomes a dense ``[vocab, hidden]`` gradient (autograd's ``embedding_dense_backward`` does not
 run) and, where nothing else reaches the weight's gradient, nothing of that size is added to
-main_grad; a plain use of the weight besides the lookup keeps its gradient; ``revert()`` takes
+main_grad, and nothing waits for a value on the host (no ``item``, ``nonzero``); a plain use of
+the weight besides the lookup keeps its gradient; ``revert()`` takes
 every hook the target put on a weight off it."""
 
 from __future__ import annotations
@@ -104,6 +105,8 @@ def test_every_parameter_matches_fp64_with_the_lookup_written_into_main_grad(par
         assert rel(got[name], ref[name]) < TOL, (name, rel(got[name], ref[name]))
     ops = full_size_ops(prof)
     assert "aten::embedding_dense_backward" not in ops, "autograd made the dense lookup gradient"
+    syncs = [e.name for e in prof.events() if e.name in ("aten::item", "aten::_local_scalar_dense", "aten::nonzero")]
+    assert not syncs, f"a host sync in the step: {syncs}"
     if not mtp:
         # The one zero dummy alone reached the weight's gradient: nothing of full size added.
         assert not [op for op in ops if op in ("aten::add_", "aten::add")], ops

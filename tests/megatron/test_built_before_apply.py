@@ -206,13 +206,16 @@ def test_revert_names_an_instance_built_under_the_patch_that_keeps_running_it(pa
         st = state(target.name)
         assert st.state == "off", st
         assert "1 MegatronFSDP built under the patch keeps running it" in st.reason, st.reason
-        hooks = [h for p in model.parameters() for h in (p._post_accumulate_grad_hooks or {}).values()]
-        assert hooks and all("__gemm_patch_factory__" in h.__qualname__ for h in hooks), \
+        # The closures its build registered (module hooks; 0.16+ also per-parameter hooks).
+        hooks = [getattr(h, "func", h) for m in model.modules() for h in m._forward_pre_hooks.values()]
+        hooks += [h for p in model.parameters() for h in (p._post_accumulate_grad_hooks or {}).values()]
+        built = [h for h in hooks if "_register_fsdp_hooks" in getattr(h, "__qualname__", "")]
+        assert built and all("__gemm_patch_factory__" in h.__qualname__ for h in built), \
             "the instance's hooks are gemm-patch's twin"
     finally:
         gemm_patch.apply()
         remove_hooks(obj)
-    del obj, model, hooks
+    del obj, model, hooks, built
     gc.collect()
     gemm_patch.revert()
     try:

@@ -20,7 +20,7 @@ import adopt  # noqa: E402
 
 DATA = release_data.load()
 ENTRY_KEYS = {"distribution", "note", "fingerprints", "fixed_upstream", "param_arg_fingerprints", "not_applicable",
-              "other_form"}
+              "other_form", "reports_only"}
 HEX16 = re.compile(r"[0-9a-f]{16}")
 
 
@@ -35,7 +35,16 @@ def test_entry_schema(target):
     # The distribution whose version keys the table (megatron-core's and megatron-fsdp's tables
     # of the same code hold the same fingerprints, each under its own versions).
     assert entry["distribution"] == target.distribution
-    assert entry["fingerprints"], "an entry records at least one release"
+    if entry.get("reports_only"):
+        # A target that patches nothing (it reports code gemm-patch has not verified): no release
+        # to record, and its install never runs.
+        from gemm_patch.engine.target import Inspection
+
+        assert entry["reports_only"] is True and not entry["fingerprints"], entry
+        with pytest.raises(AssertionError, match="installs nothing"):
+            target.install(None, Inspection("0" * 16, True, ""), None, None)
+    else:
+        assert entry["fingerprints"], "an entry records at least one release"
     for key, fingerprint in entry["fingerprints"].items():
         if key.startswith("main@"):
             assert target.distribution in ("megatron-core", "megatron-fsdp"), key

@@ -79,7 +79,7 @@ FP64_LAYOUTS = ("untied", "tied")
 # What "upstream" leaves out where megatron cannot run fused fp32 main grads itself: every fix
 # but fsdp-wgrad's write (without which the output layer raises megatron's dtype error).
 FIXES = ("fsdp-te-overwrite", "mfsdp-te-overwrite", "fsdp-shared-grad", "mfsdp-shared-grad", "moe-te-overwrite",
-         "fsdp-embedding-wgrad",
+         "fsdp-embedding-wgrad", "moe-router-wgrad",
          "fsdp-one-rank-scale", "mfsdp-one-rank-scale", "fsdp-te-overwrite-by-strategy",
          "mfsdp-te-overwrite-by-strategy")
 NATIVE_FUSED_FP32 = ("0.19.",)  # releases whose own fused path writes fp32 main grads

@@ -138,9 +138,10 @@ def broadcast_zero(param: Any, shape: Any, dtype: Any) -> Any:
 
     zeros = torch.zeros((), dtype=dtype, device=param.device).expand(shape)
     # Where this dummy alone reaches the weight's gradient (the other uses wrote into main_grad
-    # themselves: fsdp-embedding-wgrad), the hook that hands it on knows there is nothing to add.
-    if fsdp_rules.takes_direct_writes(param) and fsdp_rules.register_zero_dummy(param, zeros):
-        fsdp_rules.ensure_zero_hook(param)
+    # themselves: fsdp-embedding-wgrad, whose lookup puts the hook on the weight that recognises
+    # it), there is nothing to add.
+    if fsdp_rules.takes_direct_writes(param):
+        fsdp_rules.register_zero_dummy(param, zeros)
     return zeros
 
 

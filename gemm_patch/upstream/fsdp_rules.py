@@ -57,6 +57,12 @@ class ParamTable:
         ref = entry[0] if entry is not None and entry[0]() is param else weakref.ref(param, self._dropper(key))
         self._items[key] = (ref, value)
 
+    def clear(self) -> list:
+        """Every live parameter's value; the table emptied."""
+        values = [value for ref, value in self._items.values() if ref() is not None and value is not None]
+        self._items.clear()
+        return values
+
     def pop(self, param: Any) -> Any:
         value = self.get(param)
         if value is not None:
@@ -209,11 +215,9 @@ def ensure_zero_hook(param: Any) -> None:
 
 
 def remove_zero_hooks() -> None:
-    """Every ``_zero_sum_hook`` removed (``revert()``)."""
-    for _, (ref, handle) in list(ZERO_HOOKS._items.items()):
-        if ref() is not None and handle is not None:
-            handle.remove()
-    ZERO_HOOKS._items.clear()
+    """Every ``_zero_sum_hook`` removed (the last lookup writer's undo)."""
+    for handle in ZERO_HOOKS.clear():
+        handle.remove()
 
 
 def only_zeros(param: Any) -> bool:

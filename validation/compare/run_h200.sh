@@ -20,6 +20,8 @@
 #                   on 0.14-0.15, the fused run fails with megatron's own error (its hook freed the bucket)
 #   moe_1           4 experts, top-2, grouped GEMM, Megatron-FSDP optim_grads, untied, 1 rank: not "differs"
 #                   (the router is not run-to-run deterministic; compare measures that drift)
+#   moe_ep2_2       moe_1 with expert parallelism 2 on 2 ranks, the fusion-off run under gemm-patch too
+#                   (--off-patched: only fusion differs): not "differs"
 #
 # Needs (as validation/convergence/run.sh): the GPU kit installed (`source .devkit/setup.sh`: TE and
 # megatron-core under KIT=/tmp/gp), validation/convergence/_upstream/REL/pretrain_gpt.py and its
@@ -60,13 +62,15 @@ size = dict(bench.SIZES["hidden2048"])
 # the same global batch at every rank count: fewer micro-batches per rank, then smaller ones
 # (megatron wants the global batch divisible by micro-batch x data-parallel ranks)
 size["mbs"] = max(1, min(size["mbs"], size["gbs"] // ranks))
-args = bench.pretrain_args(release, size, kind != "moe", iters) + ["--log-interval", "1"]
+args = bench.pretrain_args(release, size, not kind.startswith("moe"), iters) + ["--log-interval", "1"]
 if kind == "mtp":  # the tied output layer used twice per backward: the main model and the MTP layer
     args += ["--mtp-num-layers", "1", "--position-embedding-type", "rope"]
-if kind == "moe":
+if kind.startswith("moe"):
     args[args.index("optim_grads_params")] = "optim_grads"
     args += ["--num-experts", "4", "--moe-router-topk", "2", "--moe-grouped-gemm", "--moe-ffn-hidden-size", "2048",
              "--moe-token-dispatcher-type", "alltoall", "--moe-aux-loss-coeff", "1e-2", "--disable-bias-linear"]
+if kind == "moe_ep2":
+    args += ["--expert-model-parallel-size", "2"]
 print(shlex.join(args))
 PY
 }
@@ -79,20 +83,22 @@ launcher() {  # 1 rank: torchrun; N > 1 ranks: all on GPU 0 through NCCL's socke
 
 for case in $CASES; do
     ranks=${case##*_}
+    opts=()
     case $case in
         dense_tied_*) kind=dense; env=(); expect="same:" ;;  # judged per parameter, not "global values only"
         tied_mtp_fixes_off_*) kind=mtp; env=(GEMM_PATCH_SHARED_GRAD=0 GEMM_PATCH_TE_OVERWRITE=0); expect="differs" ;;
         tied_mtp_*) kind=mtp; env=(); expect="same:" ;;
         fixes_off_*) kind=dense; env=(GEMM_PATCH_SHARED_GRAD=0 GEMM_PATCH_TE_OVERWRITE=0); expect="differs at iteration 1: parameter" ;;
+        moe_ep2_*) kind=moe_ep2; env=(); opts=(--off-patched); expect="not differs" ;;
         moe_*) kind=moe; env=(); expect="not differs" ;;
-        *) echo "run_h200.sh: unknown case $case (dense_tied_N, fixes_off_N, tied_mtp_N, tied_mtp_fixes_off_N, moe_1)"; exit 2 ;;
+        *) echo "run_h200.sh: unknown case $case (dense_tied_N, fixes_off_N, tied_mtp_N, tied_mtp_fixes_off_N, moe_1, moe_ep2_2)"; exit 2 ;;
     esac
     read -r -a args <<< "$(model_args $kind "$ranks")"
     [ "${#args[@]}" -gt 10 ] || { echo "run_h200.sh: could not build pretrain_gpt.py's flags"; exit 2; }
     read -r -a launch <<< "$(launcher "$ranks")"
     rm -rf "$OUT/logs/$case"
-    echo "== $case ($(date -u +%FT%TZ)): ${env[*]} gemm-patch compare --iters $ITERS -- ${launch[*]} pretrain_gpt.py ..."
-    (cd "$UP" && env "${env[@]}" timeout -s TERM "$LIMIT" "$PY" -m gemm_patch compare --iters "$ITERS" \
+    echo "== $case ($(date -u +%FT%TZ)): ${env[*]} gemm-patch compare --iters $ITERS ${opts[*]} -- ${launch[*]} pretrain_gpt.py ..."
+    (cd "$UP" && env "${env[@]}" timeout -s TERM "$LIMIT" "$PY" -m gemm_patch compare --iters "$ITERS" "${opts[@]}" \
         --logs "$OUT/logs/$case" --json "$OUT/$case.json" -- "${launch[@]}" pretrain_gpt.py "${args[@]}") \
         > "$OUT/$case.txt" 2>&1
     rc=$?

@@ -336,14 +336,16 @@ def _search_built_before(names: set[str]) -> None:
     (``Target.built_classes``), built before the install, only where such a class is patched.
     Each instance the target cannot bring under its patch exactly (``Target.runs_patched``)
     makes the target read ``bypassed`` while it lives, with one WARNING; strict mode refuses it."""
-    classes = {t: cls for t in _targets if t.name in names
-               if (cls := tuple(c for i in _state.installs.get(t.name, ()) for c in t.built_classes(i.undo)))}
+    classes = {t: found for t in _targets if t.name in names
+               if (found := [(c, i.undo) for i in _state.installs.get(t.name, ()) for c in t.built_classes(i.undo)])}
     if not classes:
         return
     early: dict[Target, list] = {t: [] for t in classes}
-    for obj in _instances_of({c for found in classes.values() for c in found}):
+    for obj in _instances_of({c for found in classes.values() for c, _ in found}):
         for target, found in classes.items():
-            if issubclass(type(obj), found) and not target.runs_patched(obj):
+            # the newest install on a class of obj: its undo puts obj back
+            undo = next((u for c, u in reversed(found) if issubclass(type(obj), c)), None)
+            if undo is not None and not target.runs_patched(obj, undo):
                 early[target].append(obj)
     refused = []
     for target, objs in early.items():

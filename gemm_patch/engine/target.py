@@ -10,6 +10,7 @@ release) is in ``gemm_patch/engine/releases.json``, under its name.
 from __future__ import annotations
 
 import types
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -151,6 +152,13 @@ class Undo:
     restores only what is still gemm_patch's and reports the rest instead of dropping it."""
 
     steps: list[Step] = field(default_factory=list)
+    # Objects built before the install and brought under it afterwards, each with the function
+    # that puts it back (weakly held: an undo never keeps a model alive).
+    adopted: list[tuple[weakref.ref, Callable[[Any], None]]] = field(default_factory=list)
+
+    def adopt(self, obj: Any, put_back: Callable[[Any], None]) -> None:
+        """``obj`` was brought under this install; ``run`` calls ``put_back(obj)`` if it lives."""
+        self.adopted.append((weakref.ref(obj), put_back))
 
     def set(self, owner: Any, attribute: str, value: Any) -> None:
         existed = attribute in vars(owner)
@@ -169,6 +177,11 @@ class Undo:
         """Put back every original that still sits under gemm_patch's object; return a
         description of each place left alone because something else was put there since."""
         left = []
+        for ref, put_back in reversed(self.adopted):
+            obj = ref()
+            if obj is not None:
+                put_back(obj)
+        self.adopted.clear()
         for step in reversed(self.steps):
             if step.in_place():
                 step.restore()
@@ -298,9 +311,10 @@ class Target:
         default): megatron looks the patched code up at every call."""
         return ()
 
-    def runs_patched(self, instance: Any) -> bool:
+    def runs_patched(self, instance: Any, undo: Undo) -> bool:
         """Whether ``instance`` (of one of ``built_classes``) runs this patch, after bringing
-        it under the patch where that can be done exactly."""
+        it under the patch where that can be done exactly (``undo``: the install's, which puts
+        it back)."""
         return True
 
     def kept_patched(self) -> list:

@@ -165,7 +165,7 @@ class OneRankScaleTarget(MethodTarget):
     def in_place(self, module: types.ModuleType, undo: Undo) -> str | None:
         return Target.in_place(self, module, undo)
 
-    def runs_patched(self, instance: Any) -> bool:
+    def runs_patched(self, instance: Any, undo: Undo) -> bool:
         self.buffers.record(instance)  # a buffer built before apply(): its settings read now
         return True
 

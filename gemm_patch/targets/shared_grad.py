@@ -83,9 +83,12 @@ from ..engine.callsite import (
     parse_method,
 )
 from ..engine.config import Config
+from ..engine.rebind import closure_cells, swap_back, swap_in
 from ..engine.target import DEFAULTS, Inspection, MethodTarget, PatchedTwin, Undo, in_both_fsdp_packages
 from ..upstream.fsdp_rules import (
     HOOKED,
+    MANAGED,
+    current_backward,
     hooks_end_records,
     hooks_end_records_per_module_call,
     is_fsdp_param,
@@ -209,6 +212,37 @@ def _edit_both(funcdef: ast.FunctionDef) -> None:
     nested.insert(nested.index(shared_filter) + 1, ast.copy_location(pending, shared_filter))
 
 
+def _root(instance: Any) -> Any:
+    return vars(instance).get("module")
+
+
+HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks",
+              "_state_dict_pre_hooks", "_load_state_dict_post_hooks")
+
+
+def hook_places(instance: Any) -> list[dict]:
+    """Where a MegatronFSDP's hooks are held: its own attributes, the hook dicts of it and of
+    every module of the model it wraps, each parameter's post-accumulate-grad hooks and
+    attributes (``post_wgrad_grad_acc_hook``)."""
+    root = _root(instance)
+    modules = [instance, *(root.modules() if callable(getattr(root, "modules", None)) else ())]
+    params = list(root.parameters()) if callable(getattr(root, "parameters", None)) else []
+    places = [vars(instance)]
+    places += [d for m in modules for name in HOOK_DICTS if isinstance(d := vars(m).get(name), dict)]
+    places += [d for p in params for d in (getattr(p, "_post_accumulate_grad_hooks", None), vars(p))
+               if isinstance(d, dict)]
+    return places
+
+
+def _put_back(instance: Any) -> None:
+    """Undo of ``SharedGradTarget.runs_patched`` bringing ``instance`` under the twin."""
+    swap_back(hook_places(instance))
+    HOOKED.discard(instance)
+    root = _root(instance)
+    for param in root.parameters() if callable(getattr(root, "parameters", None)) else ():
+        MANAGED.pop(param)
+
+
 @dataclass(frozen=True, kw_only=True, eq=False)
 class SharedGradTarget(MethodTarget):
     # Fingerprints of the method where every module call's weight arguments pass through the
@@ -243,10 +277,28 @@ class SharedGradTarget(MethodTarget):
         check_live_is_source(module, self.owner, self.attribute)
         return Inspection(fp, True, f"{self.where}.{NESTED}", AnalysedFunction(module, funcdef, fp, []))
 
-    def runs_patched(self, instance: Any) -> bool:
+    def runs_patched(self, instance: Any, undo: Undo) -> bool:
+        if instance in HOOKED:
+            return True
         # Its hooks are closures made when it was built: registering them again would change
-        # their order among the host's own hooks, so an instance built before is only reported.
-        return instance in HOOKED
+        # their order among the host's own hooks, so the nested functions the twin edits are
+        # swapped where those hooks hold them. Not inside a backward: the writes of the one
+        # running were judged under upstream's hooks.
+        backward = current_backward()
+        if backward is not None and backward >= 0:
+            return False
+        step = next((s for s in reversed(undo.steps) if isinstance(s.owner, type) and s.name == self.attribute
+                     and issubclass(type(instance), s.owner) and isinstance(s.installed, PatchedTwin)), None)
+        if step is None:
+            return False
+        twin = step.installed._self_gemm_patch_twin
+        cells = closure_cells(twin)
+        names = (NESTED, ARG_HOOK, POST_HOOK) if ARG_CELL in cells else (NESTED,)
+        if not swap_in(hook_places(instance), step.original, twin, names, instance):
+            return False  # built by other code: reported (bypassed)
+        cells[MANAGED_CELL].cell_contents(instance, _root(instance))
+        undo.adopt(instance, _put_back)
+        return True
 
     def kept_patched(self) -> list:
         import sys

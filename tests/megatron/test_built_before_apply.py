@@ -2,11 +2,13 @@
 """A MegatronFSDP built before ``gemm_patch.apply()`` (a model built, then ``import gemm_patch``).
 
 Megatron-FSDP registers its hooks as closures in ``MegatronFSDP.__init__``: an instance built
-before the patch keeps megatron's own hooks whatever the class holds later. Under
+before the patch holds megatron's own nested functions whatever the class holds later. Under
 gradient-accumulation fusion those hooks drop the tied embedding's other gradient (what
-fsdp-shared-grad fixes), so such an instance must never train while fsdp-shared-grad reads
-``verified``: the patcher finds it at ``apply()``, or at the first fused write into a parameter
-no twin's hooks handle, and the target reads ``bypassed`` with one WARNING while it lives.
+fsdp-shared-grad fixes). ``apply()`` brings such an instance under the patch: the nested
+functions the twin edits are swapped where its hooks hold them (the hooks keep their places),
+and ``revert()`` puts megatron's own back. An instance whose hooks were made by other code (a
+fork's own copy of the method) cannot be: the target reads ``bypassed`` with one WARNING while
+it lives, and strict mode refuses it.
 
 The harness is test_shared_weights' (megatron's real layers and the release's real hooks);
 ``apex-wgrad``'s stand-in plays apex, present while the layers are built.
@@ -14,9 +16,13 @@ The harness is test_shared_weights' (megatron's real layers and the release's re
 
 from __future__ import annotations
 
+import functools
 import gc
+import inspect
 import logging
 import re
+import textwrap
+import types
 import weakref
 
 import pytest
@@ -26,6 +32,7 @@ from test_shared_weights import (  # noqa: F401  (fixtures: fsdp, parallel, cpu_
     PATCHED,
     TOL,
     TiedLM,
+    _micro_batches,
     cpu_dummy_wgrad,
     expected_state,
     fsdp,
@@ -40,6 +47,7 @@ from test_shared_weights import (  # noqa: F401  (fixtures: fsdp, parallel, cpu_
 
 import gemm_patch
 from gemm_patch.engine import patcher
+from gemm_patch.targets.shared_grad import hook_places
 
 pytestmark = pytest.mark.proves("fsdp-shared-grad", "mfsdp-shared-grad")
 
@@ -79,21 +87,140 @@ def build_unpatched(build):
         gemm_patch.apply()
 
 
+def own_copy(module) -> type:
+    """A subclass of the release's MegatronFSDP whose ``_register_fsdp_hooks`` is its own copy,
+    compiled from megatron's source (a fork's class): code gemm-patch has not verified, whose
+    hooks are not made from the method the twin was built from."""
+    original = inspect.unwrap(vars(module.MegatronFSDP)["_register_fsdp_hooks"])
+    namespace: dict = {}
+    source = textwrap.dedent(inspect.getsource(original))
+    exec(compile(source, inspect.getsourcefile(original), "exec"), vars(module), namespace)
+    return type("ForkedFSDP", (module.MegatronFSDP,), {"_register_fsdp_hooks": namespace["_register_fsdp_hooks"]})
+
+
+def hook_layout(obj) -> list:
+    """Every hook dict the instance's hooks live in, as (where, key, the object held), in order;
+    and every nested function its closures reach, by cell: what swapping must keep in place."""
+    places = hook_places(obj)
+    held = [(i, key, value) for i, place in enumerate(places) for key, value in place.items()
+            if callable(value) and not isinstance(value, torch.nn.Module)]
+    cells, todo, seen = [], [value for _, _, value in held], set()
+    while todo:
+        item = todo.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, functools.partial):
+            todo += [item.func, *item.args]
+        for cell in getattr(item, "__closure__", None) or ():
+            try:
+                contents = cell.cell_contents
+            except ValueError:
+                continue
+            if isinstance(contents, types.FunctionType):
+                cells.append(("cell", id(cell), contents))
+                todo.append(contents)
+    return held + sorted(set(cells), key=lambda c: c[1])
+
+
+def twin_functions(obj) -> list[str]:
+    """The qualified names of the twin's nested functions among those the instance's hooks reach."""
+    found = {f.__qualname__ for _, _, held in hook_layout(obj) for f in (held, getattr(held, "func", None))
+             if isinstance(f, types.FunctionType) and "__gemm_patch_factory__" in f.__qualname__}
+    return sorted(found)
+
+
 @needs_code
 @pytest.mark.parametrize("distributed", BUFFERS)
 @pytest.mark.parametrize("mtp", MTP)
-def test_a_megatron_fsdp_built_before_apply_reads_bypassed(parallel, fsdp, mtp, distributed, warnings):
+def test_a_megatron_fsdp_built_before_apply_is_brought_under_the_patch(parallel, fsdp, mtp, distributed, warnings):
+    """0.5.0 reported it (``bypassed``) and it lost the tied embedding's gradient (0.669)."""
+    target, module = fsdp
+    torch.manual_seed(0)
+    model = TiedLM(tied=True, mtp=mtp)
+    gemm_patch.revert()
+    early = wrap(module, model, distributed)
+    before = hook_layout(early)
+    assert not twin_functions(early)
+    gemm_patch.apply()
+    st = state(target.name)
+    assert st.state in PATCHED, (st.state, st.reason)
+    assert not warnings()
+    after = hook_layout(early)
+    # Every hook in its place, the same objects, except the nested functions the twin edits;
+    # the twin's own cells (gemm_patch's functions) are reached besides megatron's
+    now = {(i, key): held for i, key, held in after}
+    assert [(i, key) for i, key, _ in before] == [(i, key) for i, key, _ in after if (i, key) in
+                                                  {(j, k) for j, k, _ in before}]
+    extra = [held for i, key, held in after if i == "cell" and (i, key) not in {(j, k) for j, k, _ in before}]
+    assert all(fn.__module__.startswith("gemm_patch.") for fn in extra), extra
+    changed = sorted({getattr(b, "__name__", getattr(getattr(b, "func", None), "__name__", "?"))
+                      for i, key, b in before if now[(i, key)] is not b})
+    edited = ["_grad_acc", "_post_backward", "_register_post_backward_hook"] \
+        if per_module_call_hooks(target, module) else ["_grad_acc"]
+    assert changed and set(changed) <= set(edited), changed
+    assert twin_functions(early)
+
+    _, got, ref, _ = run(model, early)
+    errors = {name: rel(got[name], ref[name]) for name in got}
+    assert all(error < TOL for error in errors.values()), errors
+    assert state(target.name).state in PATCHED and not warnings()
+
+
+@needs_code
+def test_revert_puts_an_instance_brought_under_back_on_megatrons_hooks(parallel, fsdp, warnings, monkeypatch):
+    """Exact undo, by revert() and by the target switched off at a later apply(): every hook
+    dict and closure cell holds megatron's own objects again, status reads plainly off, and
+    megatron's behaviour is back (the tied embedding's gradient lost on 0.16+; 0.14-0.15 fail
+    loudly on the tied weight argument, test_shared_weights)."""
+    target, module = fsdp
+    torch.manual_seed(0)
+    model = TiedLM(tied=True)
+    gemm_patch.revert()
+    early = wrap(module, model, False)
+    before = hook_layout(early)
+
+    def megatrons_own() -> bool:
+        after = hook_layout(early)
+        return len(after) == len(before) and all(a[1] == b[1] and a[2] is b[2]
+                                                 for a, b in zip(after, before, strict=True))
+
+    try:
+        gemm_patch.apply()
+        assert twin_functions(early) and state(target.name).state in PATCHED
+        gemm_patch.revert()
+        assert megatrons_own() and not twin_functions(early)
+        st = state(target.name)
+        assert st.state == "off" and "built under the patch" not in st.reason, st.reason
+        gemm_patch.apply()  # under the patch again
+        assert twin_functions(early) and state(target.name).state in PATCHED
+        monkeypatch.setenv(target.switch, "0")
+        gemm_patch.apply()  # the target taken out, fsdp-wgrad kept
+        assert megatrons_own() and state(target.name).state == "off"
+        if not per_module_call_hooks(target, module):
+            _, got, ref, _ = _micro_batches(model, early, 2, 0, True)
+            assert rel(got["embedding.weight"], ref["embedding.weight"]) > 0.2
+    finally:
+        monkeypatch.delenv(target.switch)
+        gemm_patch.apply()
+        remove_hooks(early)
+
+
+@needs_code
+@pytest.mark.parametrize("distributed", BUFFERS)
+def test_a_megatron_fsdp_of_other_code_built_before_apply_reads_bypassed(parallel, fsdp, distributed, warnings):
     target, module = fsdp
     gemm_patch.apply()
     torch.manual_seed(0)
-    model = TiedLM(tied=True, mtp=mtp)
-    early = build_unpatched(lambda: wrap(module, model, distributed))
+    model = TiedLM(tied=True)
+    early = build_unpatched(lambda: wrap(module, model, distributed, cls=own_copy(module)))
     st = state(target.name)
     assert st.state == "bypassed", (st.state, st.reason)
-    assert f"1 MegatronFSDP {WORDS}" in st.reason and "gemm-patch run" in st.reason, st.reason
+    assert f"1 ForkedFSDP {WORDS}" in st.reason and "gemm-patch run" in st.reason, st.reason
     found = warnings()
     assert len(found) == 1 and found[0].levelno == logging.WARNING, [r.getMessage() for r in found]
     assert "GEMM_PATCH_AUTO=1" in found[0].getMessage()
+    assert not twin_functions(early)
 
     # What the state names: megatron's own hooks lose the embedding lookup's gradient. On
     # megatron-core 0.14-0.15 they fail loudly instead (test_shared_weights), and a failed
@@ -106,16 +233,9 @@ def test_a_megatron_fsdp_built_before_apply_reads_bypassed(parallel, fsdp, mtp, 
         del _
     assert state(target.name).state == "bypassed" and len(warnings()) == 1
 
-    del early, model
+    early = model = None  # the lambda above holds the name, not the model
     gc.collect()
     assert state(target.name).state == expected_state(target)  # nothing left that runs upstream's hooks
-
-    torch.manual_seed(0)
-    model = TiedLM(tied=True, mtp=mtp)
-    _, got, ref, obj = run(model, wrap(module, model, distributed))
-    errors = {name: rel(got[name], ref[name]) for name in got}
-    assert all(error < TOL for error in errors.values()), errors
-    assert state(target.name).state in PATCHED
 
 
 @needs_code
@@ -151,10 +271,10 @@ def test_strict_mode_refuses_a_megatron_fsdp_built_before_apply(parallel, fsdp, 
     gemm_patch.apply()
     torch.manual_seed(0)
     model = TiedLM(tied=True)
-    early = build_unpatched(lambda: wrap(module, model, True))
+    early = build_unpatched(lambda: wrap(module, model, True, cls=own_copy(module)))
     gemm_patch.revert()
     try:
-        refused = re.escape(f"{target.name}: 1 MegatronFSDP {WORDS}") + ".*GEMM_PATCH_STRICT=1"
+        refused = re.escape(f"{target.name}: 1 ForkedFSDP {WORDS}") + ".*GEMM_PATCH_STRICT=1"
         with pytest.raises(gemm_patch.GemmPatchError, match=refused):
             gemm_patch.apply(strict=True)
     finally:
@@ -173,10 +293,10 @@ def test_strict_mode_refuses_at_a_second_apply_while_one_is_bypassed(parallel, f
     gemm_patch.apply()
     torch.manual_seed(0)
     model = TiedLM(tied=True)
-    early = build_unpatched(lambda: wrap(module, model, True))
+    early = build_unpatched(lambda: wrap(module, model, True, cls=own_copy(module)))
     try:
         assert state(target.name).state == "bypassed"
-        refused = re.escape(f"{target.name}: 1 MegatronFSDP {WORDS}") + ".*GEMM_PATCH_STRICT=1"
+        refused = re.escape(f"{target.name}: 1 ForkedFSDP {WORDS}") + ".*GEMM_PATCH_STRICT=1"
         with pytest.raises(gemm_patch.GemmPatchError, match=refused):
             if how == "argument":
                 gemm_patch.apply(strict=True)

@@ -47,7 +47,7 @@ def _reachable(places: Iterable[dict]) -> tuple[list[tuple[dict, Any]], list[Any
     cells: dict[int, Any] = {}
     seen: set[int] = set()
     todo: list[Any] = []
-    for place in places:
+    for place in {id(d): d for d in places}.values():  # each dict once: a value is replaced once
         for key, value in list(place.items()):
             if isinstance(value, functools.partial):
                 partials.append((place, key))

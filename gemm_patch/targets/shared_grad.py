@@ -39,9 +39,11 @@ itself::
 
 marks the instance and the parameters these hooks handle: only for them may such a record make
 a fused write add (under hooks the twin did not build, nothing ends the record where the
-gradient is handed on). A MegatronFSDP built before the patch keeps upstream's hooks; the
-patcher finds such instances at ``apply()`` (and again when fsdp-wgrad first writes a parameter
-no twin's hooks handle) and the target reads ``bypassed`` while one lives.
+gradient is handed on). The patcher finds MegatronFSDP instances built before the patch at
+``apply()`` and brings them under it (the record made by the same call); one whose hooks were
+made by other code, or one fsdp-wgrad meets in the middle of a backward (its first write into a
+parameter no twin's hooks handle), keeps upstream's hooks and the target reads ``bypassed``
+while it lives.
 
 On megatron-core 0.14-0.15 (megatron-fsdp 0.1-0.2) the twin makes two more edits. There a
 pre-forward hook on every module passes each tensor argument that requires grad through an
@@ -213,7 +215,7 @@ def _edit_both(funcdef: ast.FunctionDef) -> None:
 
 
 def _root(instance: Any) -> Any:
-    return vars(instance).get("module")
+    return getattr(instance, "module", None)  # a registered submodule: not in its __dict__
 
 
 HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks",

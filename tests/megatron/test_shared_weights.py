@@ -268,7 +268,7 @@ def wrap(module_fsdp, root: torch.nn.Module, distributed: bool, strategy: str | 
         overlap_grad_reduce=True,
     )
     vars(obj).update(
-        module=root, ddp_config=ddp_config, data_parallel_sharding_strategy=strategy,
+        ddp_config=ddp_config, data_parallel_sharding_strategy=strategy,
         param_and_grad_buffer=buffer, param_to_name={p: f"p{i}" for i, p in enumerate(params)},
         grad_reduce_pipeline=ReducePipeline(groups, keep), all_gather_pipeline=AllGatherPipeline(len(groups)),
         fsdp_unit_modules=[], enable_fine_grained_param_gather_hook=fine_grained,
@@ -277,6 +277,7 @@ def wrap(module_fsdp, root: torch.nn.Module, distributed: bool, strategy: str | 
         model_auto_sync=False, microbatch_count=0, suggested_RS_queue_capacity=None,
         suggested_AG_prefetch_size=None, is_param_fsdp_distributed=True, is_last_microbatch=True,
     )
+    obj.module = root  # a registered submodule, as MegatronFSDP.__init__ sets it
     obj._register_fsdp_hooks(root)
     return obj
 
@@ -399,7 +400,7 @@ def remove_hooks(obj) -> None:
                 handle.remove()
     # megatron-core 0.14-0.15 register tensor hooks on the parameters at each forward
     # (register_multi_grad_hook) and keep no handle: torch keeps them in _backward_hooks.
-    for param in vars(obj)["module"].parameters():
+    for param in obj.module.parameters():
         if param._backward_hooks:
             param._backward_hooks.clear()
 

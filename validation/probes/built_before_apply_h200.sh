@@ -5,7 +5,8 @@
 # run at once; each writes OUT/built_before_apply_ORDER.log, and OUT/built_before_apply.json holds, per
 # order, fsdp-shared-grad's state and reason after apply(), gemm_patch's WARNING lines and megatron's
 # iteration-1 lm loss and grad norm, with the verdict: "as expected" when the early-built model is
-# reported (not verified, one WARNING) and its iteration-1 grad norm differs from the reference's.
+# brought under the patch (verified after that apply() and at the end, no WARNING) and its iteration-1
+# grad norm is the reference's within 0.5% (the lost embedding gradient moved it 1.5% where it was not).
 #
 #     bash validation/probes/built_before_apply_h200.sh OUT
 #
@@ -57,8 +58,10 @@ for order in ("before", "after"):
                      "grad_norm_1": float(it1.group(2)) if it1 else None}
 b, a = record["before"], record["after"]
 states = {o: (record[o]["probe"][0]["state"] if record[o]["probe"] else None) for o in ("before", "after")}
-ok = (states["before"] not in (None, "verified") and states["after"] == "verified" and len(b["warnings"]) == 1
-      and None not in (b["grad_norm_1"], a["grad_norm_1"]) and b["grad_norm_1"] != a["grad_norm_1"])
+ends = [p["state"] for p in b["probe"][1:]]
+ok = (states["before"] == "verified" and states["after"] == "verified" and ends == ["verified"]
+      and not b["warnings"] and None not in (b["grad_norm_1"], a["grad_norm_1"])
+      and abs(b["grad_norm_1"] - a["grad_norm_1"]) <= 5e-3 * abs(a["grad_norm_1"]))
 record["verdict"] = "as expected" if ok else "NOT as expected"
 (out / "built_before_apply.json").write_text(json.dumps(record, indent=1) + "\n")
 print(json.dumps({o: {"state": states[o], "warnings": len(record[o]["warnings"]),

@@ -246,7 +246,7 @@ def test_run_to_run_drift_is_measured_and_not_a_difference(gemm_patch_compare):
     record = json.loads(out)
     assert code == 0, record["summary"]
     assert len(calls) == 3 and not calls[2]["fused"]  # one more fusion-off run, measured automatically
-    assert record["verdict"] == "same" and "noise measured by 1 more fusion-off run" in record["summary"]
+    assert record["verdict"] == "same" and "noise measured by 1 perturbed fusion-off run" in record["summary"]
     assert record["rows"][2]["noise"]["grad_norm_rel"] > 0.05
 
 
@@ -259,7 +259,8 @@ def test_without_measured_drift_a_later_iteration_is_not_compared(gemm_patch_com
 def test_a_loss_past_the_first_iteration_still_differs_against_measured_drift(gemm_patch_compare):
     code, out, _, calls = gemm_patch_compare(fault="lost_later")
     assert code == compare.EXIT_DIFFERS and len(calls) == 3
-    assert "verdict: differs at iteration 5: grad norm" in out and "run-to-run drift" in out
+    assert "verdict: differs at iteration 5: grad norm" in out
+    assert "drift of fusion off from its perturbed repeats" in out
 
 
 # --- failures, signals, output ----------------------------------------------------------------
@@ -539,7 +540,7 @@ def test_a_first_logged_iteration_after_the_first_step_is_judged_against_the_dri
     monkeypatch.setenv("FAKE_PRETRAIN_NO_FIRST_LINE", "1")
     from_five = gemm_patch_compare(fault="drift")
     assert from_one[0] == from_five[0] == 0, (from_one[1], from_five[1])
-    assert "noise measured by 1 more fusion-off run" in from_five[1]
+    assert "noise measured by 1 perturbed fusion-off run" in from_five[1]
 
 
 def test_a_defect_from_the_second_step_differs_at_iteration_2_naming_the_parameter(gemm_patch_compare, monkeypatch):

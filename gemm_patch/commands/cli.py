@@ -234,9 +234,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "megatron's argument dump that fusion was on in one and off in the other, and in\n"
                        "the log that gemm-patch was applied; judge each parameter's gradient after the\n"
                        "first step (a read-only probe in both runs), then megatron's logged loss and grad\n"
-                       "norm per iteration (later ones against the measured run-to-run drift of fusion\n"
-                       "off); print step time and memory. Options go before `--`; an option's value that\n"
-                       "starts with '-' is written --off-arg=--flag.", epilog=SEE_EXIT_STATUS,
+                       "norm per iteration (later ones against the drift of a fusion-off run whose\n"
+                       "first-step gradients are perturbed by a rounding); print step time and memory.\n"
+                       "Options go before `--`; an option's value that starts with '-' is written\n"
+                       "--off-arg=--flag.", epilog=SEE_EXIT_STATUS,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     compare.build_parser(p)
     p.set_defaults(func=_compare)

@@ -202,7 +202,7 @@ def judge(on: Log, off: Log, loss_rtol: float, grad_norm_rtol: float, judge_unti
                     reason = _beyond(x, y, max(loss_rtol, NOISE_FACTOR * drift["loss_rel"]),
                                      max(grad_norm_rtol, NOISE_FACTOR * drift["grad_norm_rel"]))
                     if reason:
-                        reason += " (3 x the run-to-run drift of fusion off up to this iteration)"
+                        reason += " (3 x the drift of fusion off from its perturbed repeats up to this iteration)"
                 else:
                     needs_noise.append(n)
                     reason, cannot = None, (f"parts beyond the strict bound ({reason}); the run-to-run "
@@ -417,7 +417,7 @@ def decide(runs: Sequence[Run], args: argparse.Namespace, off_args: Sequence[str
     later = len(comparison["rows"]) - len(judged)
     return {**base, "verdict": "same", "exit_code": EXIT_SAME,
             "summary": f"same{scope}: {rule} (iterations {', '.join(map(str, judged))}"
-                       + (f"; noise measured by {len(noise)} more fusion-off run{'s' if len(noise) > 1 else ''}"
+                       + (f"; noise measured by {len(noise)} perturbed fusion-off run{'s' if len(noise) > 1 else ''}"
                           if noise else "") + ")"
                        + (f"; {later} later iteration{'s' if later != 1 else ''} shown, not judged" if later else "")
                        + (f"; iterations {shown} not logged, not judged" if unlogged else "")}
@@ -534,9 +534,11 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--judge-until", type=_positive(int), default=JUDGE_UNTIL, metavar="N",
                         help=f"judge the iterations up to N (default {JUDGE_UNTIL}); later ones are shown only")
     parser.add_argument("--noise-runs", type=_noise_runs, default=None, metavar="auto|K",
-                        help="run fusion off K more times to measure the run-to-run drift that later iterations "
-                             "are judged against (default auto: once, only when an iteration after the first "
-                             "parts beyond the strict bound; 0: never, such an iteration is then not compared)")
+                        help="run fusion off K more times, its first-step gradients perturbed by a rounding "
+                             "(2^-8), to measure the drift that iteration 2 and later ones are judged against "
+                             "(default auto: once, where both runs recorded step 2 or an iteration after the "
+                             "first parts beyond the strict bound; 0: never, such an iteration is then not "
+                             "compared)")
     parser.add_argument("--no-probe", action="store_true",
                         help="don't record each parameter's gradient (GEMM_PATCH_GRAD_PROBE): global values only")
     parser.add_argument("--logs", metavar="DIR", help="where the runs' logs go (default: a new temporary folder)")

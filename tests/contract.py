@@ -599,11 +599,12 @@ Build = Callable[[types.ModuleType], Callable[[], bool]]
 
 def check_built_before_apply(target: Target, expect: str, build: Build | None,
                              around: Callable[[], contextlib.AbstractContextManager]) -> None:
-    """No object megatron can reach runs upstream code while status says verified, whatever was
-    built before apply(): for a target that patches what megatron runs once per instance, when it
-    is built (``Target.built_classes``), one instance built while the target is not applied and
-    one built after, both trained through megatron's own code after apply(). The later one must
-    train patched; the earlier one too, unless the target's status says it is not patched."""
+    """No order of building and importing leaves a model on megatron's own code where gemm-patch
+    would fix it: for a target that patches what megatron runs once per instance, when it is
+    built (``Target.built_classes``), one instance built while the target is not applied and one
+    built after, both trained through megatron's own code after apply(). Both must train patched,
+    and status say so (0.5.0 reported the earlier one as bypassed and left it on megatron's
+    hooks)."""
     if not patched(expect):
         pytest.skip(f"{target.name} is {expect} here")
     module = import_module(target)
@@ -626,9 +627,9 @@ def check_built_before_apply(target: Target, expect: str, build: Build | None,
         late = build(module)
         st = state_of(target.name)
         assert late(), f"{target.name}: an instance built after apply() trained as megatron's own code does"
-        assert early() or st.state not in PATCHED_STATES, (
-            f"{target.name} says {st.state} while an instance built before apply() trained as megatron's own code "
-            f"does ({st.reason})")
+        assert early() and st.state in PATCHED_STATES, (
+            f"{target.name} says {st.state}: an instance built before apply() was not brought under the patch "
+            f"({st.reason})")
         del early, late
         gc.collect()  # what the instances hold in cycles: no later check finds them
 

@@ -70,6 +70,7 @@ from each parameter's post-accumulate-grad hook: left as it is).
 from __future__ import annotations
 
 import ast
+import functools
 import types
 from dataclasses import dataclass
 from typing import Any
@@ -236,13 +237,48 @@ def hook_places(instance: Any) -> list[dict]:
     return places
 
 
-def _put_back(instance: Any) -> None:
-    """Undo of ``SharedGradTarget.runs_patched`` bringing ``instance`` under the twin."""
-    swap_back(hook_places(instance))
+def _twin_step(undo: Undo, instance: Any) -> Any:
+    """The step of ``undo`` that installed the twin on ``instance``'s class (or None)."""
+    return next((s for s in reversed(undo.steps) if isinstance(s.owner, type) and s.name == TARGET.attribute
+                 and issubclass(type(instance), s.owner) and isinstance(s.installed, PatchedTwin)), None)
+
+
+def _edited(twin_cells: dict) -> tuple[str, ...]:
+    """The nested functions the twin with these cells edits."""
+    return (NESTED, ARG_HOOK, POST_HOOK) if ARG_CELL in twin_cells else (NESTED,)
+
+
+def _unmark(instance: Any) -> None:
     HOOKED.discard(instance)
     root = _root(instance)
     for param in root.parameters() if callable(getattr(root, "parameters", None)) else ():
         MANAGED.pop(param)
+
+
+def _put_back(instance: Any) -> None:
+    """Undo of ``SharedGradTarget.runs_patched`` bringing ``instance`` under the twin."""
+    swap_back(hook_places(instance))
+    _unmark(instance)
+
+
+def _built_under(managed: Any, undo: Undo, instance: Any, root_module: Any) -> None:
+    """The twin's first statement (``MANAGED_CELL``): ``managed`` records the instance and its
+    parameters (fsdp_rules.hooks_end_records), and the install's undo will put the instance on
+    megatron's own nested functions (``_to_upstream``)."""
+    managed(instance, root_module)
+    undo.adopt(instance, functools.partial(_to_upstream, undo))
+
+
+def _to_upstream(undo: Undo, instance: Any) -> None:
+    """Undo for an instance built under the twin: its nested functions the twin edited swapped
+    for ones made from megatron's code over the same cells, as if megatron had built it. Where
+    they cannot be found (its hooks removed), it stays recorded and status names it."""
+    step = _twin_step(undo, instance)
+    if step is None:
+        return
+    twin = step.installed._self_gemm_patch_twin
+    if swap_in(hook_places(instance), twin, step.original, _edited(closure_cells(twin)), instance):
+        _unmark(instance)
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -289,16 +325,15 @@ class SharedGradTarget(MethodTarget):
         backward = current_backward()
         if backward is not None and backward >= 0:
             return False
-        step = next((s for s in reversed(undo.steps) if isinstance(s.owner, type) and s.name == self.attribute
-                     and issubclass(type(instance), s.owner) and isinstance(s.installed, PatchedTwin)), None)
+        step = _twin_step(undo, instance)
         if step is None:
             return False
         twin = step.installed._self_gemm_patch_twin
         cells = closure_cells(twin)
-        names = (NESTED, ARG_HOOK, POST_HOOK) if ARG_CELL in cells else (NESTED,)
-        if not swap_in(hook_places(instance), step.original, twin, names, instance):
+        if not swap_in(hook_places(instance), step.original, twin, _edited(cells), instance):
             return False  # built by other code: reported (bypassed)
-        cells[MANAGED_CELL].cell_contents(instance, _root(instance))
+        managed = hooks_end_records_per_module_call if ARG_CELL in cells else hooks_end_records
+        managed(instance, _root(instance))
         undo.adopt(instance, _put_back)
         return True
 
@@ -310,8 +345,9 @@ class SharedGradTarget(MethodTarget):
 
     def install(self, module: types.ModuleType, found: Inspection, undo: Undo, cfg: Config) -> str | None:
         both = found.fingerprint in self.param_arg_fingerprints
+        managed = hooks_end_records_per_module_call if both else hooks_end_records
         cells = {CELL: add_shared_grad, FLAG_CELL: restore_written_flag,
-                 MANAGED_CELL: hooks_end_records_per_module_call if both else hooks_end_records,
+                 MANAGED_CELL: functools.partial(_built_under, managed, undo),
                  **({ARG_CELL: is_fsdp_param, PENDING_CELL: without_pending_uses} if both else {})}
         twin = build_edited_twin(found.payload, self.where, _edit_both if both else _edit_grad_acc, cells)
         self.replace(module, undo, PatchedTwin(self.live_object(module), twin))

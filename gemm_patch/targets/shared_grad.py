@@ -256,8 +256,12 @@ def _unmark(instance: Any) -> None:
 
 
 def _put_back(instance: Any) -> None:
-    """Undo of ``SharedGradTarget.runs_patched`` bringing ``instance`` under the twin."""
-    swap_back(hook_places(instance))
+    """Undo of ``SharedGradTarget.runs_patched`` bringing ``instance`` under the twin. A fault
+    leaves it recorded: status names it as keeping the patch (``kept_patched``)."""
+    try:
+        swap_back(hook_places(instance))
+    except Exception:
+        return
     _unmark(instance)
 
 
@@ -277,7 +281,11 @@ def _to_upstream(undo: Undo, instance: Any) -> None:
     if step is None:
         return
     twin = step.installed._self_gemm_patch_twin
-    if swap_in(hook_places(instance), twin, step.original, _edited(closure_cells(twin)), instance):
+    try:
+        swapped = swap_in(hook_places(instance), twin, step.original, _edited(closure_cells(twin)), instance)
+    except Exception:  # a fault must not stop revert(): status names the instance
+        return
+    if swapped:
         _unmark(instance)
 
 
@@ -330,8 +338,11 @@ class SharedGradTarget(MethodTarget):
             return False
         twin = step.installed._self_gemm_patch_twin
         cells = closure_cells(twin)
-        if not swap_in(hook_places(instance), step.original, twin, _edited(cells), instance):
-            return False  # built by other code: reported (bypassed)
+        try:
+            if not swap_in(hook_places(instance), step.original, twin, _edited(cells), instance):
+                return False  # built by other code: reported (bypassed)
+        except Exception:  # a fault here must not take apply() down: the instance is reported
+            return False
         managed = hooks_end_records_per_module_call if ARG_CELL in cells else hooks_end_records
         managed(instance, _root(instance))
         undo.adopt(instance, _put_back)

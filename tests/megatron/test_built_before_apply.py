@@ -366,3 +366,42 @@ def test_an_instance_built_under_the_patch_trains_patched_after_revert_and_apply
     _, got, ref, _ = run(model, obj)
     errors = {name: rel(got[name], ref[name]) for name in got}
     assert all(error < TOL for error in errors.values()), errors
+
+
+@needs_code
+def test_a_fault_while_swapping_never_takes_apply_or_revert_down(parallel, fsdp, warnings, monkeypatch):
+    """Bringing an instance under the patch or putting it back fails (a hook holding something
+    unexpected): apply() still returns, the instance reads bypassed; revert() still returns and
+    status names the instance that keeps the patch."""
+    from gemm_patch.targets import shared_grad as target_module
+
+    target, module = fsdp
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a hook gemm-patch cannot read")
+
+    torch.manual_seed(0)
+    model = TiedLM(tied=True)
+    gemm_patch.revert()
+    early = wrap(module, model, False)
+    late = None
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(target_module, "swap_in", broken)
+            gemm_patch.apply()
+            st = state(target.name)
+            assert st.state == "bypassed" and f"1 MegatronFSDP {WORDS}" in st.reason, st.reason
+            remove_hooks(early)
+            early = model = None
+            gc.collect()
+            torch.manual_seed(0)
+            model = TiedLM(tied=True)
+            late = wrap(module, model, False)  # built under the patch
+            gemm_patch.revert()
+            st = state(target.name)
+            assert st.state == "off" and "1 MegatronFSDP built under the patch keeps running it" in st.reason, st
+    finally:
+        gemm_patch.apply()
+        for obj in (early, late):
+            if obj is not None:
+                remove_hooks(obj)

@@ -101,6 +101,7 @@ from ..upstream.fsdp_rules import (
     without_pending_uses,
 )
 
+ATTRIBUTE = "_register_fsdp_hooks"
 NESTED = "_grad_acc"
 STATEMENT = "if param.grad_added_to_main_grad and param.grad is not None:\n    del param.grad\n"
 TO_LOCAL = "to_local_if_dtensor"
@@ -239,7 +240,7 @@ def hook_places(instance: Any) -> list[dict]:
 
 def _twin_step(undo: Undo, instance: Any) -> Any:
     """The step of ``undo`` that installed the twin on ``instance``'s class (or None)."""
-    return next((s for s in reversed(undo.steps) if isinstance(s.owner, type) and s.name == TARGET.attribute
+    return next((s for s in reversed(undo.steps) if isinstance(s.owner, type) and s.name == ATTRIBUTE
                  and issubclass(type(instance), s.owner) and isinstance(s.installed, PatchedTwin)), None)
 
 
@@ -370,7 +371,7 @@ _COMMON = dict(
     switch="GEMM_PATCH_SHARED_GRAD",
     relies_on="hook registration",
     owner="MegatronFSDP",
-    attribute="_register_fsdp_hooks",
+    attribute=ATTRIBUTE,
     runs_at_build=True,  # from MegatronFSDP.__init__: its hooks are closures of that call
 )
 

@@ -139,6 +139,17 @@ def twin_functions(obj) -> list[str]:
     return sorted(found)
 
 
+def switch_off_and_train(target, module, model, obj, monkeypatch) -> None:
+    """The target switched off at a later apply() (fsdp-wgrad kept), then megatron's behaviour
+    checked: the tied embedding's lookup gradient lost on 0.16+ (0.14-0.15 fail loudly on the
+    tied weight argument, test_shared_weights: not trained there)."""
+    monkeypatch.setenv(target.switch, "0")
+    gemm_patch.apply()
+    if not per_module_call_hooks(target, module):
+        _, got, ref, _ = _micro_batches(model, obj, 2, 0, True)
+        assert rel(got["embedding.weight"], ref["embedding.weight"]) > 0.2
+
+
 @needs_code
 @pytest.mark.parametrize("distributed", BUFFERS)
 @pytest.mark.parametrize("mtp", MTP)
@@ -203,12 +214,8 @@ def test_revert_puts_an_instance_brought_under_back_on_megatrons_hooks(parallel,
         assert st.state == "off" and "built under the patch" not in st.reason, st.reason
         gemm_patch.apply()  # under the patch again
         assert twin_functions(early) and state(target.name).state in PATCHED
-        monkeypatch.setenv(target.switch, "0")
-        gemm_patch.apply()  # the target taken out, fsdp-wgrad kept
+        switch_off_and_train(target, module, model, early, monkeypatch)  # checks megatron's behaviour
         assert megatrons_own() and state(target.name).state == "off"
-        if not per_module_call_hooks(target, module):
-            _, got, ref, _ = _micro_batches(model, early, 2, 0, True)
-            assert rel(got["embedding.weight"], ref["embedding.weight"]) > 0.2
     finally:
         monkeypatch.delenv(target.switch)
         gemm_patch.apply()
@@ -342,12 +349,8 @@ def test_revert_puts_an_instance_built_under_the_patch_on_megatrons_hooks(parall
         assert hooks == [(i, key) for i, key, _ in built if i != "cell"]  # every hook in its place
         gemm_patch.apply()
         assert twin_edits(obj) and state(target.name).state in PATCHED
-        monkeypatch.setenv(target.switch, "0")
-        gemm_patch.apply()  # the target taken out, fsdp-wgrad kept: megatron's own hooks
+        switch_off_and_train(target, module, model, obj, monkeypatch)  # checks megatron's behaviour
         assert not twin_edits(obj) and state(target.name).state == "off"
-        if not per_module_call_hooks(target, module):
-            _, got, ref, _ = _micro_batches(model, obj, 2, 0, True)
-            assert rel(got["embedding.weight"], ref["embedding.weight"]) > 0.2
     finally:
         monkeypatch.delenv(target.switch)
         gemm_patch.apply()

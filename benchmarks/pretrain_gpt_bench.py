@@ -332,6 +332,30 @@ def finished_s(record: dict[str, Any]) -> float:
 
 
 DEFAULT_SETTING = "gc auto"
+WARM_GAP_S = 60.0
+
+
+def after_another(record: dict[str, Any], records: list[dict[str, Any]]) -> bool:
+    """Whether another of these processes finished on the machine at most WARM_GAP_S before this one
+    started: the first process of a run also pays the machine's cold start (kernel caches, the GPU's
+    clocks) in its first iteration."""
+    if record.get("seconds") is None:
+        return False
+    start = finished_s(record) - record["seconds"]
+    return any(other is not record and start - WARM_GAP_S <= finished_s(other) <= start + 1.0 for other in records)
+
+
+def first_iteration(runs: list[dict[str, Any]], reference: list[dict[str, Any]] | None,
+                    records: list[dict[str, Any]]) -> str:
+    """The median time of iteration 1 (megatron's first logged line) over the processes that ran after
+    another, and its difference from the reference's; '-' without such a process."""
+    def median_first(rs: list[dict[str, Any]]) -> float | None:
+        firsts = [r["step_ms_intervals"][0] for r in rs if r.get("step_ms_intervals") and after_another(r, records)]
+        return statistics.median(firsts) if firsts else None
+    mine, ref = median_first(runs), median_first(reference or [])
+    if mine is None:
+        return "-"
+    return f"{mine:.1f}" + (f" ({mine - ref:+.1f})" if ref is not None else "")
 
 
 def setting(record: dict[str, Any]) -> str:
@@ -363,7 +387,8 @@ def summary(records: list[dict[str, Any]]) -> str:
         if r["rc"] == 0 and r["step_ms"] is not None:
             groups.setdefault((r["hidden"], r["release"], r["tied"], r["config"], setting(r)), []).append(r)
     lines = ["hidden | release | tied | config | rounds | step ms (median; each round) | vs fusion off | "
-             "same round (pairs: range) | vs fixes off, same round | GPU busy / idle ms | allocated GiB | "
+             "same round (pairs: range) | vs fixes off, same round | iteration 1 ms, after another process "
+             "(- fusion off) | GPU busy / idle ms | allocated GiB | "
              "max allocated GiB | allocated - fusion off | max allocated - fusion off | setting"]
     for key in sorted(groups, key=lambda k: (k[0], k[1], not k[2], not k[4].startswith(DEFAULT_SETTING), k[4],
                                               list(CONFIGS).index(k[3]))):
@@ -381,9 +406,10 @@ def summary(records: list[dict[str, Any]]) -> str:
         d_alloc = f"{alloc - max(r['allocated_gib'] for r in off):+.3f}" if off else "-"
         d_peak = f"{peak - max(r['max_allocated_gib'] for r in off):+.3f}" if off else "-"
         each = " / ".join(f"{r['step_ms']:.1f}" for r in rs)
+        first = first_iteration(rs, off, records)
         lines.append(f"{key[0]} | {key[1]} | {'tied' if key[2] else 'untied'} | {key[3]} | {len(rs)} | {ms:.1f} "
-                     f"({each}) | {ratio} | {same_round} | {floor} | {gpu} | {alloc:.3f} | {peak:.3f} | {d_alloc} | "
-                     f"{d_peak} | " + key[4])
+                     f"({each}) | {ratio} | {same_round} | {floor} | {first} | {gpu} | {alloc:.3f} | {peak:.3f} | "
+                     f"{d_alloc} | {d_peak} | " + key[4])
     failed = [r for r in records if r["rc"] != 0 or r["step_ms"] is None]
     lines += [f"FAILED {r['release']} {'tied' if r['tied'] else 'untied'} {r['config']} round {r['round']}: "
               f"rc={r['rc']} {r['error']}" for r in failed]

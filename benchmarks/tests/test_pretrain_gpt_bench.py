@@ -118,8 +118,8 @@ def test_each_process_appends_its_record(upstream, monkeypatch, capsys):
     assert seen[2]["argv"][-1] == "--untie-embeddings-and-output-weights"
     assert seen[3]["argv"][seen[3]["argv"].index("--vocab-size") + 1] == "128255"
     table = capsys.readouterr().out
-    assert ("4096 | 0.19.2 | tied | patched | 1 | 296.5 (296.5) | 0.983 | 0.983 (1) | - | - | 1.294 | 1.643 | +0.979 | "
-            "+0.979") in table
+    assert ("4096 | 0.19.2 | tied | patched | 1 | 296.5 (296.5) | 0.983 | 0.983 (1) | - | 5913.5 (-5.0) | - | "
+            "1.294 | 1.643 | +0.979 | +0.979") in table
 
 
 def test_a_failed_process_is_recorded_with_its_error(upstream, monkeypatch, capsys):
@@ -223,3 +223,22 @@ def test_the_gpu_is_recorded_and_runs_on_different_gpus_are_summarised_apart(tmp
     h100, h200 = ([c.strip() for c in x.split("|")] for x in lines if "| patched |" in x)
     assert h200[6] == "0.980" and h200[-1] == "gc auto, NVIDIA H200"
     assert h100[6] == "1.010" and h100[-1] == "gc auto, NVIDIA H100 80GB HBM3"
+
+
+def test_iteration_1_is_compared_only_where_another_process_ran_just_before():
+    def rec(config: str, rnd: int, first: float, finished: str) -> dict:
+        return {"hidden": 4096, "release": "0.19.2", "tied": True, "config": config, "round": rnd, "rc": 0,
+                "step_ms": 300.0, "step_ms_intervals": [first, 600.0, 300.0], "seconds": 30.0,
+                "allocated_gib": 22.0, "max_allocated_gib": 27.0, "error": None, "finished": finished}
+    records = [rec("fusion_off", 1, 7000.0, "2026-12-02T03:00:30Z"),  # first on a cold machine: left out
+               rec("patched", 1, 1700.0, "2026-12-02T03:01:05Z"), rec("fusion_off", 2, 1800.0, "2026-12-02T03:01:40Z"),
+               rec("patched", 2, 1750.0, "2026-12-02T05:00:00Z")]  # hours after the others: left out too
+
+    def column(config: str) -> str:
+        line = next(x for x in bench.summary(records).splitlines() if f"| {config} |" in x)
+        return [c.strip() for c in line.split("|")][9]
+    assert column("patched") == "1700.0 (-100.0)"
+    assert column("fusion_off") == "1800.0 (+0.0)"
+    records[0]["finished"] = "2026-12-02T02:00:00Z"
+    records[1]["finished"] = "2026-12-02T03:00:00Z"  # now nothing ran right before it
+    assert column("patched") == "-"

@@ -342,7 +342,9 @@ def after_another(record: dict[str, Any], records: list[dict[str, Any]]) -> bool
     if record.get("seconds") is None:
         return False
     start = finished_s(record) - record["seconds"]
-    return any(other is not record and start - WARM_GAP_S <= finished_s(other) <= start + 1.0 for other in records)
+    end = finished_s(record)
+    return any(other is not record and start - WARM_GAP_S <= finished_s(other) <= min(start + 1.0, end - 1.0)
+               for other in records)
 
 
 def first_iteration(runs: list[dict[str, Any]], reference: list[dict[str, Any]] | None,

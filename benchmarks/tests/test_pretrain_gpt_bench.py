@@ -118,8 +118,11 @@ def test_each_process_appends_its_record(upstream, monkeypatch, capsys):
     assert seen[2]["argv"][-1] == "--untie-embeddings-and-output-weights"
     assert seen[3]["argv"][seen[3]["argv"].index("--vocab-size") + 1] == "128255"
     table = capsys.readouterr().out
-    assert ("4096 | 0.19.2 | tied | patched | 1 | 296.5 (296.5) | 0.983 | 0.983 (1) | - | 5913.5 (-5.0) | - | "
-            "1.294 | 1.643 | +0.979 | +0.979") in table
+    line = next(x for x in table.splitlines() if x.startswith("4096 | 0.19.2 | tied | patched"))
+    cols = [c.strip() for c in line.split("|")]
+    del cols[9]  # iteration 1 after another process: these fake processes' timing decides it
+    assert cols[:-1] == ["4096", "0.19.2", "tied", "patched", "1", "296.5 (296.5)", "0.983", "0.983 (1)", "-", "-",
+                         "1.294", "1.643", "+0.979", "+0.979"]
 
 
 def test_a_failed_process_is_recorded_with_its_error(upstream, monkeypatch, capsys):

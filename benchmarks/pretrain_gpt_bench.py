@@ -341,10 +341,11 @@ def after_another(record: dict[str, Any], records: list[dict[str, Any]]) -> bool
     clocks) in its first iteration."""
     if record.get("seconds") is None:
         return False
-    start = finished_s(record) - record["seconds"]
     end = finished_s(record)
-    return any(other is not record and start - WARM_GAP_S <= finished_s(other) <= min(start + 1.0, end - 1.0)
-               for other in records)
+    start = end - record["seconds"]
+    # `finished` has whole seconds: one second's slack, and never one that finished with or after this one
+    latest = min(start + 1.0, end - 1.0)
+    return any(other is not record and start - WARM_GAP_S <= finished_s(other) <= latest for other in records)
 
 
 def first_iteration(runs: list[dict[str, Any]], reference: list[dict[str, Any]] | None,

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import hashlib
 import json
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -81,33 +83,83 @@ def test_a_failed_test_leaves_its_target_unverified():
 
 # -- real adoptions ---------------------------------------------------------------------------
 
-def _snapshot(root: Path = ROOT) -> dict[Path, bytes]:
-    """Every file of the repository at ``root`` but git's, the release cache and bytecode."""
-    files = {}
+def _is_work_tree_top(root: Path) -> bool:
+    out = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=root, capture_output=True, text=True)
+    return out.returncode == 0 and Path(out.stdout.strip()).resolve() == root.resolve()
+
+
+def _project_files(root: Path = ROOT) -> list[str]:
+    """The files of the project at ``root``, relative to it: what git tracks there and what is
+    untracked but not ignored (never a venv, the release cache or another ignored folder, however
+    large). A tree outside git (an unpacked sdist) gives every file but those of git, bytecode,
+    the release cache and any folder holding a venv."""
+    if _is_work_tree_top(root):
+        listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root,
+                                capture_output=True, check=True).stdout.decode().split("\0")
+        # a tracked file deleted from the work tree is listed too: it is no file of the tree
+        return sorted(name for name in listed if name and (root / name).is_file())
+    found = []
     for folder, subfolders, names in os.walk(root):
         here = Path(folder)
         subfolders[:] = [d for d in subfolders if d not in (".git", "__pycache__", ".pytest_cache")
-                         and here / d != root / "compat" / ".cache"]
-        files.update({(here / n).relative_to(root): (here / n).read_bytes() for n in names if n != ".git"})
-    return files
+                         and here / d != root / "compat" / ".cache" and not (here / d / "pyvenv.cfg").exists()]
+        found += [(here / n).relative_to(root).as_posix() for n in names]
+    return sorted(found)
+
+
+def _digest(path: Path) -> str:
+    """The file's SHA-256, read a chunk at a time (a large file never lies in memory whole)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _snapshot(root: Path = ROOT) -> dict[Path, str]:
+    """The digest of every project file at ``root`` (``_project_files``)."""
+    return {Path(name): _digest(root / name) for name in _project_files(root)}
+
+
+def test_a_snapshot_reads_no_ignored_folder_and_holds_no_file_whole(tmp_path):
+    """A clone holding a large venv (ignored, as the README's demo leaves it) and a large untracked
+    file: the venv is neither listed nor read, the untracked file is listed by its digest, and
+    the snapshot's memory stays far below either."""
+    import tracemalloc
+
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    (tmp_path / ".gitignore").write_text(".venv/\n")
+    (tmp_path / "module.py").write_text("x = 1\n")
+    large = 48 << 20
+    for n in range(4):
+        venv_file = tmp_path / ".venv" / "lib" / f"libbig{n}.so"
+        venv_file.parent.mkdir(parents=True, exist_ok=True)
+        with open(venv_file, "wb") as handle:
+            handle.truncate(large)  # sparse: no disk, but every byte is read back
+    with open(tmp_path / "checkpoint.pt", "wb") as handle:
+        handle.truncate(large)
+    tracemalloc.start()
+    try:
+        snapshot = _snapshot(tmp_path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert set(snapshot) == {Path(".gitignore"), Path("module.py"), Path("checkpoint.pt")}, sorted(snapshot)
+    assert snapshot[Path("checkpoint.pt")] == _digest(tmp_path / "checkpoint.pt")
+    assert peak < 8 << 20, f"the snapshot held {peak} bytes at its peak"
 
 
 def test_adopting_a_new_release_changes_only_data_files(tmp_path, monkeypatch):
     """A fake megatron-core 0.19.3 adopted into a copy of the repository: its measurements are
     given (fingerprints, test outcomes), everything from the verdicts on is adopt's own. Only
     the release data and compat/matrix.json change, each by the lines of the new release."""
-    import subprocess
-
     from gemm_patch.engine import release_data
     from gemm_patch.targets import REGISTRY
 
     copy = tmp_path / "repo"
-    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                            capture_output=True, text=True, check=True).stdout.splitlines()
-    for name in listed:
-        if (ROOT / name).is_file() and not name.startswith("compat/.cache"):
-            (copy / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / name, copy / name)
+    for name in _project_files(ROOT):
+        (copy / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, copy / name)
     core = [t for t in REGISTRY if t.distribution == "megatron-core"]
     fresh = "0123456789abcdef"  # fsdp-wgrad's code changed; every other target's is 0.19.2's
     found = {t.name: adopt.Found(t.name, fresh if t.name == "fsdp-wgrad" else t.fingerprints.get("0.19.2"),
@@ -119,28 +171,29 @@ def test_adopting_a_new_release_changes_only_data_files(tmp_path, monkeypatch):
     monkeypatch.setattr(adopt, "interpreter", lambda code: adopt.matrix.HERE)
     monkeypatch.setattr(adopt, "fingerprints", lambda code, python: found)
     monkeypatch.setattr(adopt, "run_tests", lambda code, python, expected, extra: outcomes)
+    releases_file, matrix_file = copy / "gemm_patch/engine/releases.json", copy / "compat/matrix.json"
+    releases_before = releases_file.read_text()
     before = _snapshot(copy)
     lines: list[str] = []
     result = adopt.adopt("megatron-core==0.19.3", say=lines.append, root=copy)
     after = _snapshot(copy)
     changed = {path for path in before.keys() | after.keys() if before.get(path) != after.get(path)}
-    assert changed == {Path("gemm_patch/engine/releases.json"), Path("compat/matrix.json")}, (changed, lines)
+    assert changed == {releases_file.relative_to(copy), matrix_file.relative_to(copy)}, (changed, lines)
     assert result["fsdp-wgrad"].state == "forced" and result["fsdp-wgrad"].ok, lines
-    data = json.loads(after[Path("gemm_patch/engine/releases.json")])
+    data = json.loads(releases_file.read_text())
     for target in core:
         table = data["targets"][target.name]["fingerprints"]
         assert table.get("0.19.3") == found[target.name].fingerprint if found[target.name].applicable \
             else "0.19.3" not in table, target.name
         assert list(table) == sorted(table, key=adopt._version_key), target.name
-    diff = [line for line in difflib.ndiff(before[Path("gemm_patch/engine/releases.json")].decode().splitlines(),
-                                           after[Path("gemm_patch/engine/releases.json")].decode().splitlines())
+    diff = [line for line in difflib.ndiff(releases_before.splitlines(), releases_file.read_text().splitlines())
             if line[:1] in "+-"]
     new = [line for line in diff if '"0.19.3"' in line]
     assert len(new) == sum(found[t.name].applicable for t in core) and all(line[0] == "+" for line in new), diff
     # Beside the new lines, only a comma where a new release became the last one of its table.
     rest = [line for line in diff if line not in new]
     assert [line[2:] + "," for line in rest if line[0] == "-"] == [line[2:] for line in rest if line[0] == "+"], diff
-    releases = json.loads(after[Path("compat/matrix.json")])["components"]["megatron-core"]["releases"]
+    releases = json.loads(matrix_file.read_text())["components"]["megatron-core"]["releases"]
     assert releases[-1] == {"version": "0.19.3", "python": "3.12"}
     assert dict(release_data.load()["targets"]["fsdp-wgrad"]["fingerprints"]).get("0.19.3") is None  # ours untouched
 

@@ -5,6 +5,8 @@ the same model, and megatron's memory report (allocated between steps, max alloc
 difference to fusion off's.
 
     python -m benchmarks.plot_pretrain_gpt_bench RECORDS.jsonl CHART.png
+    python -m benchmarks.plot_pretrain_gpt_bench --tokens RECORDS.jsonl [...] CHART.png
+        # the named shapes (Llama 3.2): tokens per second per configuration, one panel per shape
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ from pathlib import Path
 from typing import Any
 
 LABELS = {"fusion_off": "fusion off", "patched": "gemm-patch", "bf16_grads": "bf16 grads",
+          "bf16_upstream": "bf16 grads,\nmegatron alone",
           "no_shared_grad": "no shared\ngrad fix", "no_te_overwrite": "no TE\noverwrite fix",
-          "no_fsdp_dummy_grad": "no FSDP\ndummy grad", "no_te_dummy_wgrad": "no TE\ndummy wgrad"}
+          "no_fsdp_dummy_grad": "no FSDP\ndummy grad", "no_te_dummy_wgrad": "no TE\ndummy wgrad",
+          "fixes_off": "every fix\noff"}
 
 
 def cells(records: list[dict[str, Any]]) -> dict[int, list[tuple[tuple[str, bool, str], list[dict[str, Any]]]]]:
@@ -82,5 +86,49 @@ def main(src: str, dst: str) -> int:
     return 0
 
 
+def shapes(records: list[dict[str, Any]]) -> dict[tuple[str, str, bool, str], dict[str, list[float]]]:
+    """(shape, release, tied, GPU) -> configuration -> tokens/s of each finished round, timing runs only."""
+    out: dict[tuple[str, str, bool, str], dict[str, list[float]]] = {}
+    for r in records:
+        if (r["rc"] == 0 and r.get("tokens_per_s") and not r.get("memory_history")
+                and not str(r.get("size", "hidden")).startswith("hidden")):
+            key = (r["size"], r["release"], r["tied"], r.get("device") or "?")
+            out.setdefault(key, {}).setdefault(r["config"], []).append(r["tokens_per_s"])
+    return dict(sorted(out.items()))
+
+
+def tokens_chart(sources: list[str], dst: str) -> int:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [json.loads(line) for src in sources for line in Path(src).read_text().splitlines() if line.strip()]
+    panels = shapes(records)
+    if not panels:
+        raise SystemExit(f"{', '.join(sources)}: no finished record of a named shape to plot")
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels) + 1, 4.5), squeeze=False,
+                             constrained_layout=True)
+    order = list(LABELS)
+    for ax, ((shape, release, tied, device), configs) in zip(axes[0], panels.items(), strict=True):
+        names = sorted(configs, key=lambda c: order.index(c) if c in order else len(order))
+        medians = [statistics.median(configs[c]) for c in names]
+        ax.bar(range(len(names)), medians, color=["#d98" if c == "patched" else "#9ab" for c in names], width=0.6)
+        for i, c in enumerate(names):
+            ax.plot([i] * len(configs[c]), configs[c], "k.", ms=5)
+            ax.annotate(f"{medians[i]:,.0f}", (i, medians[i]), ha="center", va="bottom", fontsize=7)
+        ax.set_ylim(min(medians) * 0.9, max(medians) * 1.05)
+        ax.set_xticks(range(len(names)), [LABELS.get(c, c).replace("\n", " ") for c in names], fontsize=7,
+                      rotation=20)
+        ax.set_ylabel("tokens per second per GPU (median of rounds)")
+        ax.set_title(f"{shape}, {'tied' if tied else 'untied'}, megatron-core {release}\n{device}", fontsize=9)
+    fig.suptitle("Megatron-LM pretrain_gpt.py, Megatron-FSDP, fp32 main grads (bf16 grads: bf16), one GPU; "
+                 "dots: rounds", fontsize=10)
+    fig.savefig(dst, dpi=100)
+    return 0
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--tokens"]:
+        sys.exit(tokens_chart(sys.argv[2:-1], sys.argv[-1]))
     sys.exit(main(*sys.argv[1:3]))

@@ -60,6 +60,8 @@ import datetime
 import fnmatch
 import json
 import os
+import pickle
+import re
 import shlex
 import signal
 import statistics
@@ -69,9 +71,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import profile_trace
+from benchmarks import memory_peak, profile_trace
 from gemm_patch.commands.compare import parse_log
-from validation.convergence.parse_logs import ERROR_RE, _first_cause  # the convergence runs' error line
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -80,7 +81,17 @@ SIZES: dict[str, dict[str, int]] = {
                    "vocab": 128256, "iters": 30},
     "hidden2048": {"layers": 4, "hidden": 2048, "ffn": 8192, "heads": 16, "seq": 2048, "mbs": 2, "gbs": 8,
                    "vocab": 384, "iters": 100},
+    # Llama 3.2's shapes at full depth (GQA, SwiGLU, RMSNorm, RoPE base 500000, no biases, no dropout).
+    "llama3.2-1b": {"layers": 16, "hidden": 2048, "ffn": 8192, "heads": 32, "query_groups": 8, "seq": 8192,
+                    "mbs": 1, "gbs": 4, "vocab": 128256, "iters": 10},
+    # Its weights, fp32 main grads and Adam states (18 bytes a parameter) and its activations do not
+    # fit an 80 GB card together: full activation recompute, one layer a block, as a user would run it.
+    "llama3.2-3b": {"layers": 28, "hidden": 3072, "ffn": 8192, "heads": 24, "query_groups": 8, "seq": 4096,
+                    "mbs": 1, "gbs": 4, "vocab": 128256, "iters": 10, "recompute_layers": 1},
 }
+LLAMA_ARGS = ["--position-embedding-type", "rope", "--rotary-base", "500000", "--rotary-percent", "1.0",
+              "--swiglu", "--normalization", "RMSNorm", "--norm-epsilon", "1e-5", "--disable-bias-linear",
+              "--attention-dropout", "0.0", "--hidden-dropout", "0.0"]
 SWITCHES = {"no_shared_grad": "GEMM_PATCH_SHARED_GRAD", "no_te_overwrite": "GEMM_PATCH_TE_OVERWRITE",
             "no_fsdp_dummy_grad": "GEMM_PATCH_FSDP_DUMMY_GRAD", "no_te_dummy_wgrad": "GEMM_PATCH_TE_DUMMY_WGRAD",
             "no_embedding_wgrad": "GEMM_PATCH_EMBEDDING_WGRAD"}
@@ -88,6 +99,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "fusion_off": {"env": {"GEMM_PATCH": "0"}, "args": ["--no-gradient-accumulation-fusion"]},
     "patched": {"env": {}, "args": []},
     "bf16_grads": {"env": {}, "args": ["--megatron-fsdp-main-grads-dtype", "bf16"]},
+    # Upstream's own fast path, what a user who gives up fp32 gradients runs: megatron alone.
+    "bf16_upstream": {"env": {"GEMM_PATCH": "0"}, "args": ["--megatron-fsdp-main-grads-dtype", "bf16"]},
     **{config: {"env": {var: "0"}, "args": []} for config, var in SWITCHES.items()},
     # Fusion on under gemm-patch with every correctness fix off (wrong on a tied weight and on
     # persistent buffers): what fusion alone gains, the floor the fixes' cost is measured from.
@@ -105,8 +118,16 @@ PLANS = {
                                                    "no_te_overwrite", "no_embedding_wgrad")],
     "release-0.17.1": [f"0.17.1:{t}:{c}" for t in ("tied", "untied") for c in ("fusion_off", "patched")],
 }
+# Every alternative a user has (fusion off, gemm-patch, upstream's bf16 main grads, every fix off),
+# per release and embeddings: "alternatives" (0.19.2 tied), "alternatives-untied", "alternatives-0.17.1".
+ALTERNATIVES = ("fusion_off", "patched", "bf16_upstream", "fixes_off")
+PLANS["alternatives"] = [f"0.19.2:tied:{c}" for c in ALTERNATIVES]
+PLANS["alternatives-untied"] = [f"0.19.2:untied:{c}" for c in ALTERNATIVES]
+PLANS["alternatives-0.17.1"] = [f"0.17.1:tied:{c}" for c in ALTERNATIVES]
 PLANS["full"] = [cell for name in ("core", "untied", "fixes", "release-0.17.1") for cell in PLANS[name]]
 LOG_INTERVAL = 5
+THROUGHPUT_RE = re.compile(r"\biteration\s+\d+/\s*\d+ \|.*?throughput per GPU \(TFLOP/s/GPU\): ([\d.]+)")
+SNAPSHOT = "memory_snapshot.pickle"
 OLD_MOCK_IDS = 4096  # 0.14-0.15's mock data: token ids below this, whatever the vocabulary
 LAUNCHER = "{python} -m torch.distributed.run --standalone --nproc-per-node 1"
 GIB = 1024.0
@@ -161,9 +182,14 @@ def pretrain_args(release: str, size: dict[str, int], tied: bool, iters: int,
         *main_grads, "--use-distributed-optimizer", "--ckpt-format", "fsdp_dtensor",
         "--tokenizer-type", "NullTokenizer", "--vocab-size", vocab, "--make-vocab-size-divisible-by", "128",
         "--mock-data", "--num-workers", "1", "--eval-iters", "0", "--eval-interval", 100 * iters,
-        "--log-interval", log_interval, *memory,
+        "--log-interval", log_interval, "--log-throughput", *memory,
         "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1", "--seed", "1234",
     ]
+    if "query_groups" in size:
+        args += ["--group-query-attention", "--num-query-groups", size["query_groups"], *LLAMA_ARGS]
+    if "recompute_layers" in size:
+        args += ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                 "--recompute-num-layers", size["recompute_layers"]]
     if manual_gc is not None:
         args += ["--manual-gc", "--manual-gc-interval", manual_gc]
     if not tied:
@@ -198,7 +224,9 @@ def process(cell: tuple[str, bool, str], size: dict[str, int], iters: int, opts:
     command = [*pin, opts.python, "-m", "gemm_patch", "run", "--", *launcher, "pretrain_gpt.py",
                *pretrain_args(release, size, tied, iters, opts.manual_gc, opts.log_interval, opts.strategy),
                *CONFIGS[config]["args"],
-               *profile_args(opts.profile, profile_dir)]
+               *profile_args(opts.profile, profile_dir),
+               *(["--record-memory-history", "--memory-snapshot-path", str(profile_dir / SNAPSHOT)]
+                 if opts.memory_history else [])]
     return command, dict(CONFIGS[config]["env"]), Path(opts.upstream) / release
 
 
@@ -250,10 +278,27 @@ def run_one(command: list[str], env: dict[str, str], cwd: Path, log_path: Path, 
     return rc, round(time.monotonic() - t0, 1)
 
 
+def throughput(text: str) -> float | None:
+    """Median of megatron's ``--log-throughput`` figures (TFLOP/s per GPU) after the first line."""
+    values = [float(v) for v in THROUGHPUT_RE.findall(text)]
+    return statistics.median(values[1:] or values) if values else None
+
+
+def read_snapshot(path: Path | None) -> dict[str, Any] | None:
+    """memory_peak's reading of megatron's last memory snapshot (``--memory-history``)."""
+    if path is None:
+        return None
+    try:
+        return memory_peak.analyse(memory_peak.load(path))
+    except (OSError, EOFError, ValueError, KeyError, pickle.UnpicklingError) as e:
+        return {"error": f"{path}: {e}"}
+
+
 def record(cell: tuple[str, bool, str], rnd: int, size_name: str, iters: int, command: list[str],
            env: dict[str, str], rc: int, seconds: float, log_path: Path,
            manual_gc: int | None = None, trace: Path | None = None, cpus: str | None = None,
-           device: str | None = None, strategy: str = STRATEGIES[0]) -> dict[str, Any]:
+           device: str | None = None, strategy: str = STRATEGIES[0],
+           snapshot: Path | None = None) -> dict[str, Any]:
     release, tied, config = cell
     profile = None
     if trace is not None:
@@ -265,19 +310,22 @@ def record(cell: tuple[str, bool, str], rnd: int, size_name: str, iters: int, co
     text = log_path.read_text(errors="replace")
     log = parse_log(text)
     mem = log.last_memory()
-    errors = ERROR_RE.findall(text)
-    error = _first_cause(errors) if errors and rc != 0 else None
+    error = log.exception if rc != 0 else None
     if rc == 124:
         error = "timed out (--proc-limit)"
     elif rc != 0 and not error:
         error = f"exit code {rc}"
     elif rc == 0 and not log.iterations:
         error = "no megatron iteration line in the log"
+    step_ms = log.step_ms()
     return {
         "entry": "pretrain_gpt", "release": release, "size": size_name, "hidden": size["hidden"],
         "vocab": size["vocab"], "seq": size["seq"], "layers": size["layers"], "micro_batch_size": size["mbs"],
         "global_batch_size": size["gbs"], "strategy": strategy, "tied": tied, "config": config, "round": rnd,
-        "step_ms": log.step_ms(), "step_ms_intervals": [it.step_ms for it in log.iterations],
+        "step_ms": step_ms, "step_ms_intervals": [it.step_ms for it in log.iterations],
+        "tokens_per_s": round(size["gbs"] * size["seq"] * 1000.0 / step_ms, 1) if step_ms else None,
+        "tflops": throughput(text), "recompute_layers": size.get("recompute_layers"),
+        "memory_history": snapshot is not None, "memory_peak": read_snapshot(snapshot),
         "allocated_gib": round(mem.allocated_mb / GIB, 4) if mem else None,
         "max_allocated_gib": round(mem.max_allocated_mb / GIB, 4) if mem else None,
         "reserved_gib": round(mem.reserved_mb / GIB, 4) if mem else None,
@@ -367,7 +415,8 @@ def setting(record: dict[str, Any]) -> str:
     gc, cpus, device = (record.get(k) for k in ("manual_gc_interval", "cpus", "device"))
     strategy = record.get("strategy") or STRATEGIES[0]
     return ((DEFAULT_SETTING if gc is None else f"gc every {gc}") + (f", cpus {cpus}" if cpus else "")
-            + (f", {strategy}" if strategy != STRATEGIES[0] else "") + (f", {device}" if device else ""))
+            + (f", {strategy}" if strategy != STRATEGIES[0] else "")
+            + (", memory history" if record.get("memory_history") else "") + (f", {device}" if device else ""))
 
 
 def same_round_ratio(runs: list[dict[str, Any]], reference: list[dict[str, Any]] | None) -> str:
@@ -380,6 +429,12 @@ def same_round_ratio(runs: list[dict[str, Any]], reference: list[dict[str, Any]]
     return f"{statistics.median(paired):.3f} ({len(paired)}{spread})" if paired else "-"
 
 
+def model(record: dict[str, Any]) -> str:
+    """The model's name in tables: its width for the hidden* sizes, the shape's name otherwise."""
+    size = record.get("size") or ""
+    return size if size in SIZES and not size.startswith("hidden") else str(record["hidden"])
+
+
 def summary(records: list[dict[str, Any]]) -> str:
     """One line per (size, release, tied, config): median step time over rounds, against fusion
     off of the same model (the ratio of the medians, and the median of the ratios within a round:
@@ -388,8 +443,8 @@ def summary(records: list[dict[str, Any]]) -> str:
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for r in records:
         if r["rc"] == 0 and r["step_ms"] is not None:
-            groups.setdefault((r["hidden"], r["release"], r["tied"], r["config"], setting(r)), []).append(r)
-    lines = ["hidden | release | tied | config | rounds | step ms (median; each round) | vs fusion off | "
+            groups.setdefault((model(r), r["release"], r["tied"], r["config"], setting(r)), []).append(r)
+    lines = ["model | release | tied | config | rounds | step ms (median; each round) | vs fusion off | "
              "same round (pairs: range) | vs fixes off, same round | iteration 1 ms, after another process "
              "(- fusion off) | GPU busy / idle ms | allocated GiB | "
              "max allocated GiB | allocated - fusion off | max allocated - fusion off | setting"]
@@ -417,6 +472,67 @@ def summary(records: list[dict[str, Any]]) -> str:
     lines += [f"FAILED {r['release']} {'tied' if r['tied'] else 'untied'} {r['config']} round {r['round']}: "
               f"rc={r['rc']} {r['error']}" for r in failed]
     return "\n".join(lines)
+
+
+# Nominal memory bandwidth (bytes/s) by the GPU's name: the bound below is an estimate, not a measurement.
+BANDWIDTH = {"NVIDIA H100 80GB HBM3": 3.35e12, "NVIDIA H200": 4.8e12}
+
+
+
+def gemm_weight_params(size: dict[str, int]) -> int:
+    """Parameters whose weight gradient is a GEMM that fusion writes into main_grad: every linear
+    layer (SwiGLU's first one twice as wide) and the output layer."""
+    h, ffn = size["hidden"], size["ffn"]
+    kv = size.get("query_groups", size["heads"]) * (h // size["heads"])
+    per_layer = h * (h + 2 * kv) + h * h + h * ffn * (2 if "query_groups" in size else 1) + ffn * h
+    return size["layers"] * per_layer + size["vocab"] * h
+
+
+def fusion_saved_bytes(size: dict[str, int]) -> int:
+    """Memory traffic a step under gemm-patch does not move, against fusion off: per micro-batch,
+    each GEMM weight's bf16 gradient written and read back (4 bytes a parameter), and the embedding
+    lookup's dense bf16 gradient (zeroed, read back, and its pass over the fp32 main_grad: 12 bytes
+    an entry)."""
+    micro = size["gbs"] // size["mbs"]
+    return micro * (4 * gemm_weight_params(size) + 12 * size["vocab"] * size["hidden"])
+
+
+def shape_table(records: list[dict[str, Any]]) -> str:
+    """Markdown: per named shape (release, embeddings, setting) and configuration, the medians over
+    rounds of tokens per second, megatron's TFLOP/s per GPU, step time and memory; gemm-patch's
+    tokens/s against fusion off, every fix off and bf16 main grads; and its gain over fusion off
+    beside the bound (fusion_saved_bytes over the GPU's bandwidth)."""
+    groups: dict[tuple, dict[str, list[dict[str, Any]]]] = {}
+    for r in records:
+        if (r["rc"] == 0 and r["step_ms"] is not None and r.get("tokens_per_s") and r.get("size") in SIZES
+                and not r["size"].startswith("hidden")):
+            key = (r["size"], r["release"], r["tied"], setting(r))
+            groups.setdefault(key, {}).setdefault(r["config"], []).append(r)
+    rows = ["| shape, megatron-core, embeddings | setting | configuration | rounds | tokens/s per GPU "
+            "| TFLOP/s per GPU | step ms | allocated / max allocated GiB | gemm-patch's tokens/s over this one's "
+            "| gain over fusion off: measured / bound (ms; % of step) |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    med = statistics.median
+    for (shape, release, tied, where), configs in sorted(groups.items()):
+        patched = configs.get("patched")
+        for config in sorted(configs, key=lambda c: (ALTERNATIVES + tuple(CONFIGS)).index(c)):
+            rs = configs[config]
+            tokens, step = med(r["tokens_per_s"] for r in rs), med(r["step_ms"] for r in rs)
+            flops = [r["tflops"] for r in rs if r.get("tflops") is not None]
+            ratio = (f"{med(r['tokens_per_s'] for r in patched) / tokens:.3f}" if patched and config != "patched"
+                     else "-")
+            gain = "-"
+            off = configs.get("fusion_off")
+            bandwidth = BANDWIDTH.get(rs[0].get("device") or "")
+            if config == "patched" and off and bandwidth:
+                saved = med(r["step_ms"] for r in off) - step
+                bound = fusion_saved_bytes(SIZES[shape]) / bandwidth * 1000.0
+                gain = f"{saved:.1f} / {bound:.1f} ({100 * saved / step:.1f}% / {100 * bound / step:.1f}%)"
+            memory = f"{max(r['allocated_gib'] for r in rs):.2f} / {max(r['max_allocated_gib'] for r in rs):.2f}"
+            rows.append(f"| {shape}, {release}, {'tied' if tied else 'untied'} | {where} | {config} | {len(rs)} | "
+                        f"{tokens:,.0f} | {f'{med(flops):.1f}' if flops else '-'} | {step:.1f} | {memory} | {ratio} | "
+                        f"{gain} |")
+    return "\n".join(rows) + "\n"
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
@@ -454,7 +570,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpus", metavar="LIST", help="run each process under taskset -c LIST (e.g. 0-7)")
     p.add_argument("--profile", type=step_range, metavar="START:END", help="megatron's PyTorch profiler over "
                    "iterations START..END-1; the record gets benchmarks/profile_trace.py's reading of the trace")
-    p.add_argument("--keep-traces", action="store_true", help="keep the profiler's traces (tens of MB each)")
+    p.add_argument("--memory-history", action="store_true",
+                   help="megatron's --record-memory-history: the record gets where the step's memory peak falls and "
+                        "what is alive there (benchmarks/memory_peak.py); such processes are timed apart")
+    p.add_argument("--keep-traces", action="store_true",
+                   help="keep the profiler's traces and memory snapshots (tens of MB each)")
     p.add_argument("--upstream", default=str(ROOT / "validation" / "convergence" / "_upstream"),
                    help="folder with one RELEASE/ folder holding pretrain_gpt.py and its neighbours")
     p.add_argument("--kit", default=None, help="the GPU kit's folder (/tmp/gp on the H200): KIT/mcXYZ, KIT/site")
@@ -470,7 +590,8 @@ def main(argv: list[str] | None = None) -> int:
                         "compare_*.txt and .json)")
     a = p.parse_args(argv)
     if a.summary:
-        print(summary(read_records(a.summary)))
+        records = read_records(a.summary)
+        print(summary(records) + "\n\n" + shape_table(records))
         return 0
     size = SIZES[a.size]
     iters = a.iters or size["iters"]
@@ -509,23 +630,28 @@ def main(argv: list[str] | None = None) -> int:
         prepare_kit(release, a.kit)
         logs.mkdir(parents=True, exist_ok=True)
         a.out.parent.mkdir(parents=True, exist_ok=True)
+        if a.memory_history:  # megatron opens the snapshot's path as it is
+            profile_dir.mkdir(parents=True, exist_ok=True)
         rc, seconds = run_one(command, environment(release, a.kit, config_env), cwd, logs / f"{name}.log",
                               a.proc_limit)
         trace = profile_dir / "torch_profile" / "rank-0.json.gz" if a.profile else None
+        snapshot = profile_dir / SNAPSHOT if a.memory_history else None
         rec = record(cell, rnd, a.size, iters, command, config_env, rc, seconds, logs / f"{name}.log", a.manual_gc,
-                     trace, a.cpus, device, a.strategy)
-        if trace is not None and not a.keep_traces:
-            trace.unlink(missing_ok=True)
+                     trace, a.cpus, device, a.strategy, snapshot)
+        for kept in (trace, snapshot):
+            if kept is not None and not a.keep_traces:
+                kept.unlink(missing_ok=True)
         with open(a.out, "a") as f:
             f.write(json.dumps(rec) + "\n")
             f.flush()
             os.fsync(f.fileno())
         done.append(rec)
-        print(f"== {name}: rc={rc} {seconds:.0f} s step_ms={rec['step_ms']} allocated={rec['allocated_gib']} "
+        print(f"== {name}: rc={rc} {seconds:.0f} s step_ms={rec['step_ms']} tokens/s={rec['tokens_per_s']} "
+              f"TFLOP/s={rec['tflops']} allocated={rec['allocated_gib']} "
               f"max_allocated={rec['max_allocated_gib']} GiB" + (f" error={rec['error']}" if rec["error"] else ""),
               flush=True)
     if done:
-        print(summary(done))
+        print(summary(done) + "\n\n" + shape_table(done))
     return 0 if all(r["rc"] == 0 and r["step_ms"] is not None for r in done) else 1
 
 

@@ -60,19 +60,19 @@ def speed_table() -> str:
     header = [h.strip() for h in lines[0].split("|")]
     cells = [dict(zip(header, (c.strip() for c in line.split("|")), strict=True))
              for line in lines[1:] if not line.startswith("FAILED")]
-    off = {(c["hidden"], c["release"], c["tied"], c["setting"]): c for c in cells if c["config"] == "fusion_off"}
+    off = {(c["model"], c["release"], c["tied"], c["setting"]): c for c in cells if c["config"] == "fusion_off"}
     rows = ["| hidden, megatron-core, embeddings | setting | rounds | step, gemm-patch / fusion off (ms, medians) "
             "| ratio | same-round ratio (pairs: range) | vs every correctness fix off, same round "
             "| iteration 1 after another process, gemm-patch (- fusion off) ms "
             "| memory vs fusion off (GiB: allocated, max allocated) |",
             "|---|---|---|---|---|---|---|---|---|"]
     for c in cells:
-        ref = off.get((c["hidden"], c["release"], c["tied"], c["setting"]))
+        ref = off.get((c["model"], c["release"], c["tied"], c["setting"]))
         if c["config"] != "patched" or ref is None:
             continue
         step = c["step ms (median; each round)"].split(" ")[0]
         ref_step = ref["step ms (median; each round)"].split(" ")[0]
-        rows.append(f"| {c['hidden']}, {c['release']}, {c['tied']} | {c['setting']} | {c['rounds']} | "
+        rows.append(f"| {c['model']}, {c['release']}, {c['tied']} | {c['setting']} | {c['rounds']} | "
                     f"{step} / {ref_step} | {c['vs fusion off']} | {c['same round (pairs: range)']} | "
                     f"{c['vs fixes off, same round']} | {c['iteration 1 ms, after another process (- fusion off)']} | "
                     f"{c['allocated - fusion off']}, {c['max allocated - fusion off']} |")

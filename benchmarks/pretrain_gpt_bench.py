@@ -583,6 +583,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--logs", type=Path, help="per-process logs (default: OUT's folder/logs)")
     p.add_argument("--proc-limit", type=float, default=150.0, help="seconds per process")
     p.add_argument("--deadline", type=float, default=540.0, help="no process starts after this many seconds")
+    p.add_argument("--note", help="a line every record of this run carries (e.g. the gemm_patch commit measured)")
     p.add_argument("--dry", action="store_true", help="print the commands, run nothing")
     p.add_argument("--summary", type=Path, metavar="JSONL", help="print the table of these records and exit")
     p.add_argument("--compare", action="store_true",
@@ -638,6 +639,8 @@ def main(argv: list[str] | None = None) -> int:
         snapshot = profile_dir / SNAPSHOT if a.memory_history else None
         rec = record(cell, rnd, a.size, iters, command, config_env, rc, seconds, logs / f"{name}.log", a.manual_gc,
                      trace, a.cpus, device, a.strategy, snapshot)
+        if a.note:
+            rec["note"] = a.note
         for kept in (trace, snapshot):
             if kept is not None and not a.keep_traces:
                 kept.unlink(missing_ok=True)

@@ -83,6 +83,8 @@ def gemm_patch_compare(monkeypatch, tmp_path, capsys):
     def run(*options: str, fault: str | None = None, command: list[str] | None = None):
         if fault:
             monkeypatch.setenv("FAKE_PRETRAIN", fault)
+        else:  # each call its own faults: none unless given
+            monkeypatch.delenv("FAKE_PRETRAIN", raising=False)
         command = FAKE if command is None else command
         try:
             code = cli.main(["compare", "--logs", str(tmp_path / "logs"), *options, "--", *command])
@@ -256,11 +258,42 @@ def test_without_measured_drift_a_later_iteration_is_not_compared(gemm_patch_com
     assert "verdict: not compared at iteration 5: parts beyond the strict bound" in out
 
 
-def test_a_loss_past_the_first_iteration_still_differs_against_measured_drift(gemm_patch_compare):
+def test_a_later_part_beyond_the_measured_drift_drifts_and_one_at_iteration_2_differs(gemm_patch_compare,
+                                                                                        monkeypatch):
+    """A grad norm 0.63x from iteration 5 (logged every 5th): beyond 3 x the perturbed run's drift,
+    but past the first two steps, where correct runs part by their own noise too: "drifts" (exit 4),
+    saying what agreed before it; the same loss from iteration 2, one step from the same weights,
+    "differs"."""
     code, out, _, calls = gemm_patch_compare(fault="lost_later")
-    assert code == compare.EXIT_DIFFERS and len(calls) == 3
-    assert "verdict: differs at iteration 5: grad norm" in out
+    assert code == compare.EXIT_DRIFTS and len(calls) == 3, out
+    assert "verdict: drifts at iteration 5: grad norm" in out
     assert "drift of fusion off from its perturbed repeats" in out
+    assert ("megatron's lm loss and grad norm agreed at iteration 1, iteration 2 neither logged nor recorded by the "
+            "probe (global values only: ") in out
+    assert "| beyond the drift: grad norm" in out and "| differs:" not in out
+    monkeypatch.setenv("FAKE_PRETRAIN_LOST_FROM", "2")
+    code, out, _, calls = gemm_patch_compare("--iters", "6", fault="lost_later")
+    assert code == compare.EXIT_DIFFERS and len(calls) == 3, out
+    assert "verdict: differs at iteration 2: grad norm" in out and "| differs: grad norm" in out
+
+
+def test_noise_in_the_global_values_alone_never_differs(gemm_patch_compare, monkeypatch):
+    """Runs with no probe record (global values only) that part by their own noise from iteration 4
+    (lm loss 0.5 %, grad norm 3 %, fusion off alike): a part beyond the measured drift there is
+    "drifts" (exit 4), never "differs": in a draw where the perturbed run parted from fusion off by a
+    tenth of what the fused run did, with the probe or without, and in 20 random draws."""
+    code, out, _, _ = gemm_patch_compare("--iters", "10", fault="unlucky")
+    assert code == compare.EXIT_DRIFTS, out
+    assert "verdict: drifts at iteration 4: lm loss " in out
+    assert ("megatron's lm loss and grad norm agreed at iterations 1 and 2 (global values only: the gradient probe "
+            "wrote no record") in out
+    monkeypatch.setenv("FAKE_PRETRAIN_PROBE", "1")
+    code, out, _, _ = gemm_patch_compare("--iters", "10", fault="unlucky")
+    assert code == compare.EXIT_DRIFTS and "every parameter agreed at iterations 1 and 2: weak evidence" in out, out
+    monkeypatch.delenv("FAKE_PRETRAIN_PROBE")
+    for _ in range(20):
+        code, out, _, _ = gemm_patch_compare("--iters", "10", fault="noisy4")
+        assert code in (compare.EXIT_SAME, compare.EXIT_DRIFTS), out
 
 
 # --- failures, signals, output ----------------------------------------------------------------
@@ -527,9 +560,10 @@ def test_iterations_the_logs_leave_out_are_never_same(gemm_patch_compare):
     code, out, _, _ = gemm_patch_compare("--iters", "3", "--iters-arg", "--train-iters {n} --log-interval 5",
                                          fault="lost_later")
     assert code == compare.EXIT_NOT_COMPARED and "iterations 2, 3 ran but neither log shows them" in out
-    # logged every iteration (the default with --iters), a defect from iteration 5 is found there
+    # logged every iteration (the default with --iters), a part from iteration 5 is found there
     code, out, _, _ = gemm_patch_compare("--iters", "6", fault="lost_later")
-    assert code == compare.EXIT_DIFFERS and "verdict: differs at iteration 5" in out
+    assert code == compare.EXIT_DRIFTS and "verdict: drifts at iteration 5" in out, out
+    assert "megatron's lm loss and grad norm agreed at iterations 1 and 2" in out
 
 
 def test_a_first_logged_iteration_after_the_first_step_is_judged_against_the_drift(gemm_patch_compare, monkeypatch):
@@ -594,3 +628,129 @@ def test_bridges_iteration_line_is_read():
     it = log.iterations[0]
     assert (it.iteration, it.of, it.loss, it.grad_norm, it.step_ms) == (5, 10, 9.005912, 3.141, 812.3)
     assert log.fusion == [True]
+
+
+# --- what a run shares with its reference, a restarted worker, a failed reference ----------------
+
+
+def verdict_line(out: str) -> str:
+    return next(line for line in out.splitlines() if line.startswith("verdict: "))
+
+
+def test_a_restarted_worker_is_judged_by_iteration(gemm_patch_compare, monkeypatch):
+    """The fused run's worker fails at iteration 3 and is started again (torchrun --max-restarts 1),
+    resuming exactly: its probe records (its own first two steps, iterations 3 and 4) are placed by
+    iteration, so iterations 1 and 2 are judged with the first worker's records, and the restarted
+    worker's, with no record of those iterations in the fusion-off run, are not compared, never a
+    difference. Where the records do not say their iteration (no megatron arguments, as under
+    Megatron-Bridge), the restarted worker's cannot be placed, and are said so."""
+    monkeypatch.setenv("FAKE_PRETRAIN_PROBE", "1")
+    code, out, _, _ = gemm_patch_compare("--iters", "6", fault="restart")
+    assert code == compare.EXIT_SAME, out
+    assert "per parameter at iteration 1 (3 judged" in out and "per parameter at iteration 2 (3 judged" in out
+    assert verdict_line(out).endswith(
+        "; the probe's records of iterations 3, 4 in the fusion on (gemm-patch) run (a restarted process) not "
+        "compared: the fusion off run has none of those iterations")
+    monkeypatch.setenv("FAKE_PRETRAIN_PROBE", "no_iteration")
+    code, out, _, _ = gemm_patch_compare("--iters", "6", fault="restart")
+    assert code == compare.EXIT_SAME and "per parameter at iteration 2 (3 judged" in out, out
+    assert verdict_line(out).endswith(
+        "; 2 probe records of a restarted process in the fusion on (gemm-patch) run not compared: the iteration is "
+        "not known (megatron's arguments do not give it)")
+    # the same runs without a restart: every record paired
+    code, out, _, _ = gemm_patch_compare("--iters", "6")
+    assert code == compare.EXIT_SAME and "not compared" not in out, out
+
+
+def test_records_of_different_first_steps_are_not_compared():
+    """Two runs whose first probe records are of different iterations (one run's first worker wrote
+    none): the per-parameter judgement says so rather than pairing different steps."""
+    def run(key: str, iterations: list[int]) -> compare.Run:
+        r = compare.Run(key, f"fusion {key}", [], {}, "", f"/nowhere/{key}.log")
+        r.records = [{"rank": 0, "call": i - iterations[0] + 1, "iteration": i, "parameters": {}} for i in iterations]
+        r.steps, r.unplaced = compare.grad_probe.by_iteration(r.records)
+        return r
+
+    on, off = run("on", [3, 4]), run("off", [1, 2])
+    assert compare.probe_pairing(on, off) == ("the probe's first record is of iteration 3 in the fusion on run and of "
+                                              "iteration 1 in the fusion off run: not the same step, not compared")
+    assert compare.records_not_compared(on, off) == (
+        "; the probe's records of iterations 3, 4 in the fusion on run not compared: the fusion off run has none of "
+        "those iterations; the probe's records of iterations 1, 2 in the fusion off run not compared: the fusion on "
+        "run has none of those iterations")
+    assert compare.probe_pairing(run("on", [1, 2]), off) is None
+
+
+def test_a_failed_perturbed_reference_run_is_said_with_what_it_left_unjudged(gemm_patch_compare, monkeypatch):
+    """The perturbed fusion-off run exits 1 after iteration 1: the verdict names it and what it
+    could therefore not judge (each parameter at iteration 2), and claims no measured noise; where
+    a later iteration needed the drift it would have measured, that iteration is not compared,
+    saying why. The same runs with the reference whole: the second step judged."""
+    monkeypatch.setenv("FAKE_PRETRAIN_PROBE", "1")
+    code, out, _, calls = gemm_patch_compare("--iters", "6", fault="crash_perturbed")
+    failure = ("the fusion off, perturbed (1) run failed (exit code 1: RuntimeError: CUDA out of memory (the perturbed "
+               "reference run))")
+    assert code == compare.EXIT_SAME and len(calls) == 3, out
+    verdict = verdict_line(out)
+    assert verdict.startswith("verdict: same: at iteration 1 each parameter's gradient within") and \
+        "noise measured by" not in verdict and "at iteration 2 each parameter" not in verdict
+    assert verdict.endswith(f"; {failure}, so each parameter at iteration 2 was not judged")
+    assert f"per parameter at iteration 2: not judged: {failure}: nothing measured what one step moves" in out
+    code, out, _, _ = gemm_patch_compare("--iters", "6")
+    assert code == compare.EXIT_SAME and "run failed" not in out, out
+    assert "noise measured by 1 perturbed fusion-off run" in out and "per parameter at iteration 2 (3 judged" in out
+    code, out, _, _ = gemm_patch_compare("--iters", "6", fault="crash_perturbed,drift")
+    assert code == compare.EXIT_NOT_COMPARED, out
+    verdict = verdict_line(out)
+    assert verdict.startswith("verdict: not compared at iteration 2: parts beyond the strict bound (lm loss ")
+    assert f"the run-to-run drift was not measured ({failure})" in verdict
+    assert verdict.endswith(f"; {failure}, so each parameter at iteration 2 was not judged")
+
+
+def test_a_fix_the_reference_runs_too_is_named_as_not_judged(gemm_patch_compare, monkeypatch):
+    """A defect in a fix that gemm-patch applies whether fusion is on or off (a gradient 1.03x
+    wherever gemm-patch is active): against megatron as shipped it differs; with
+    --off-patched the reference shares it, and "same" names, from the reference's own summary lines
+    or its probe records, the fixes it ran too (not those only the fused path reaches). The default
+    reference, gemm-patch off, shares none and says nothing of the kind."""
+    monkeypatch.setenv("FAKE_PRETRAIN_PROBE", "1")
+    code, out, _, _ = gemm_patch_compare("--iters", "4", fault="shared_fix")
+    assert code == compare.EXIT_DIFFERS and "verdict: differs at iteration 1: parameter layer.weight" in out, out
+    shared = ("the reference ran gemm-patch's fsdp-embedding-wgrad, fsdp-te-overwrite, fsdp-shared-grad, "
+              "fsdp-one-rank-scale too: a defect shared by both runs is not judged")
+    code, out, _, calls = gemm_patch_compare("--iters", "4", "--off-patched", fault="shared_fix")
+    assert code == compare.EXIT_SAME and calls[1]["patched"] and not calls[1]["fused"], out
+    assert verdict_line(out).startswith(f"verdict: same ({shared}): at iteration 1 each parameter's gradient")
+    # no summary line (a log level above INFO): read from the probe's records
+    monkeypatch.setenv("GEMM_PATCH_LOG_LEVEL", "WARNING")
+    code, out, _, _ = gemm_patch_compare("--iters", "4", "--off-patched", fault="shared_fix")
+    assert code == compare.EXIT_SAME and "[gemm_patch] INFO" not in out, out
+    assert verdict_line(out).startswith(f"verdict: same ({shared}): ")
+    monkeypatch.delenv("GEMM_PATCH_LOG_LEVEL")
+    code, out, _, _ = gemm_patch_compare("--iters", "4")
+    assert code == compare.EXIT_SAME and "the reference ran gemm-patch's" not in out, out
+
+
+def test_a_reference_under_gemm_patch_that_shows_nothing_is_not_taken_as_unpatched():
+    """--off-patched, and the reference shows neither summary lines nor a probe record: what it ran
+    is not known, and the verdict says a shared defect is not judged; without --off-patched (the
+    reference has GEMM_PATCH=0) nothing is said. Fixes of the fused path alone are never named."""
+    def run(key: str, lines: list[str]) -> compare.Run:
+        r = compare.Run(key, key, [], {}, "", f"/nowhere/{key}.log")
+        r.log = compare.parse_log("\n".join(lines))
+        return r
+
+    on = run("on", ["[gemm_patch] INFO: megatron-core 0.19.2: fsdp-wgrad verified, fsdp-shared-grad verified"])
+    silent = run("off", [])
+    assert compare.shared_fixes(on, [silent], off_patched=True).startswith(
+        "the reference ran under gemm-patch (--off-patched) and shows neither gemm-patch's summary lines nor a probe "
+        "record of what it patched")
+    assert compare.shared_fixes(on, [silent], off_patched=False) is None
+    fused_only = run("off", ["[gemm_patch] INFO: megatron-core 0.19.2: fsdp-wgrad verified, apex-wgrad provided "
+                             "(apex missing; verified)", "[gemm_patch] INFO: transformer-engine 2.20.2: te-dummy-wgrad "
+                             "verified; backends native>te>fallback"])
+    assert compare.shared_fixes(on, [fused_only], off_patched=True) is None
+    scale = "[gemm_patch] INFO: megatron-core 0.19.2: fsdp-one-rank-scale verified"
+    both = run("off", [*on.log.gemm_patch_lines, scale])
+    assert compare.shared_fixes(on, [both], off_patched=True) == (
+        "the reference ran gemm-patch's fsdp-shared-grad too: a defect shared by both runs is not judged")

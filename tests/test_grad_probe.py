@@ -9,6 +9,7 @@ import json
 import math
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -68,13 +69,14 @@ def test_a_defect_from_the_second_step_is_named_at_iteration_2(tmp_path):
 
 
 def probe_records(tmp_path: Path, *options: str) -> dict[int, dict]:
+    """The first step's records, by rank."""
     folder = tmp_path / "probe"
     env = launch_env(megatron_env(**{grad_probe.ENV: str(folder)}))  # as compare starts each run
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                            "--master-port", str(free_port()), STAND_IN, "--train-iters", "1", *options],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return grad_probe.read(str(folder))
+    return grad_probe.by_iteration(grad_probe.read(str(folder)))[0][1]
 
 
 def test_two_ranks_the_distributed_optimizers_shards_are_combined(tmp_path):
@@ -160,4 +162,63 @@ def test_off_nothing_is_wrapped_and_on_the_training_is_unchanged(tmp_path):
         return [line for line in out.stdout.splitlines() if " iteration " in line]
     folder = tmp_path / "probe"
     assert iteration_lines(**{grad_probe.ENV: str(folder)}) == iteration_lines()
-    assert sorted(grad_probe.read(str(folder))) == [0]
+    assert sorted((rec["rank"], rec["call"]) for rec in grad_probe.read(str(folder))) == [(0, 1), (0, 2)]
+
+
+def test_a_restarted_worker_writes_records_of_its_own_placed_by_iteration(tmp_path):
+    """A worker that fails and is started again (torchrun --max-restarts, a requeue) starts the
+    probe's count again: its records are files of their own beside the first worker's, never over
+    them. Where megatron's arguments give the iteration they are placed there; where nothing gives
+    it (a framework without megatron.training) the restarted worker's cannot be placed."""
+    def run(folder: Path, *options: str, **variables: str) -> None:
+        env = launch_env(megatron_env(**{grad_probe.ENV: str(folder)}, **variables))
+        proc = subprocess.run([sys.executable, STAND_IN, *options], env=env, capture_output=True, text=True,
+                              timeout=600)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+    known = tmp_path / "known"
+    run(known, "--megatron-args", "--train-iters", "2")
+    run(known, "--megatron-args", "--start-iteration", "3", "--train-iters", "4", TORCHELASTIC_RESTART_COUNT="1")
+    records = grad_probe.read(str(known))
+    assert sorted((rec["iteration"], rec["call"]) for rec in records) == [(1, 1), (2, 2), (3, 1), (4, 2)]
+    placed, unplaced = grad_probe.by_iteration(records)
+    assert sorted(placed) == [1, 2, 3, 4] and unplaced == []
+    assert placed[3][0]["process"]["TORCHELASTIC_RESTART_COUNT"] == "1"
+    assert "TORCHELASTIC_RESTART_COUNT" not in placed[1][0]["process"]
+    assert placed[1][0]["parameters"] != placed[3][0]["parameters"]
+
+    unknown = tmp_path / "unknown"
+    run(unknown, "--train-iters", "2")
+    run(unknown, "--start-iteration", "3", "--train-iters", "4", TORCHELASTIC_RESTART_COUNT="1")
+    placed, unplaced = grad_probe.by_iteration(grad_probe.read(str(unknown)))
+    assert sorted(placed) == [1, 2] and all(rec["process"]["TORCHELASTIC_RESTART_COUNT"] == "1" for rec in unplaced)
+    assert sorted(rec["call"] for rec in unplaced) == [1, 2]
+
+
+def test_records_are_placed_by_iteration_and_older_records_are_read(tmp_path, monkeypatch):
+    """by_iteration's rules on written records: an iteration done twice on a rank (a restart that
+    went back to an earlier checkpoint) keeps the first process's record; a record without a
+    call (``rank<R>.json``, ``step2/rank<R>.json``, as records were written before they said it)
+    is the first or second step; megatron's iteration is read from its arguments where set."""
+    def rec(rank: int, call: int, iteration: int | None, pid: int, started: float, norm: float) -> dict:
+        return {"rank": rank, "parameters": {"w": {"numel": 1, "norm": norm, "projections": [norm] * 8}},
+                "call": call, "iteration": iteration, "process": {"pid": pid, "started": started}}
+
+    for r in (rec(0, 1, 1, 7, 1.0, 1.0), rec(0, 2, 2, 7, 1.0, 2.0), rec(0, 1, 2, 9, 5.0, 2.5),
+              rec(0, 2, 3, 9, 5.0, 3.0), rec(1, 1, 1, 8, 1.0, 1.0)):
+        grad_probe.write(str(tmp_path / "again"), r)
+    placed, unplaced = grad_probe.by_iteration(grad_probe.read(str(tmp_path / "again")))
+    assert {n: {rank: r["parameters"]["w"]["norm"] for rank, r in by_rank.items()} for n, by_rank in placed.items()} \
+        == {1: {0: 1.0, 1: 1.0}, 2: {0: 2.0}, 3: {0: 3.0}} and unplaced == []
+
+    old = tmp_path / "old"
+    (old / grad_probe.STEP2).mkdir(parents=True)
+    (old / "rank0.json").write_text(json.dumps({"schema": 1, "rank": 0, "parameters": {}}))
+    (old / grad_probe.STEP2 / "rank0.json").write_text(json.dumps({"schema": 1, "rank": 0, "parameters": {}}))
+    placed, unplaced = grad_probe.by_iteration(grad_probe.read(str(old)))
+    assert sorted(placed) == [1, 2] and unplaced == [] and len(grad_probe.files(str(old))) == 2
+
+    assert grad_probe.megatron_iteration() is None
+    monkeypatch.setitem(sys.modules, "megatron.training.global_vars",
+                        types.SimpleNamespace(_GLOBAL_ARGS=types.SimpleNamespace(curr_iteration=2)))
+    assert grad_probe.megatron_iteration() == 3

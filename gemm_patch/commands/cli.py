@@ -44,9 +44,9 @@ exit status:
      sign of gemm-patch applied); 3 not compared (NaN or inf, a step skipped by the fp16
      loss scaler, an iteration one run logged and the other did not, a later iteration past
      the strict bound with the drift not measured, a cut run that logged nothing after its
-     first step); 4 drifts: a later iteration past the drift while every parameter agreed
-     at iterations 1 and 2 (weak evidence); 130/143 interrupted by SIGINT/SIGTERM (both
-     runs' processes ended)
+     first step); 4 drifts: an iteration after the second past the drift while iterations
+     1 and 2 agreed, per parameter or by megatron's values alone (weak evidence); 130/143
+     interrupted by SIGINT/SIGTERM (both runs' processes ended)
 
 Each error ends in one line on stderr, starting with "gemm-patch COMMAND:".
 GEMM_PATCH_LOG_LEVEL=DEBUG also logs the warnings that importing megatron raises

@@ -11,7 +11,9 @@ script imports gemm_patch or ``GEMM_PATCH_AUTO=1`` is set (``--off-patched`` kee
 ``--iters N`` appends ``--train-iters N`` to both (argparse keeps the last occurrence of a flag,
 so it overrides the command's own; ``--iters-arg 'train.train_iters={n}'`` for other styles).
 Both runs carry ``GEMM_PATCH_GRAD_PROBE`` (gemm_patch/engine/grad_probe.py): each rank records every
-parameter's reduced gradient after the first step, beside the run's log.
+parameter's reduced gradient after its process's first two steps, beside the run's log, each record
+saying its iteration and process; compare pairs the runs' records by iteration, and says which it
+cannot pair (a restarted worker's) as not compared.
 
 Proof first (exit 2 where missing): megatron's argument dump (or, where the log has none, the
 probe's reading of the model's configuration) says gradient_accumulation_fusion True in the
@@ -29,9 +31,13 @@ Then the verdict (docs/using-with.md, "How it judges"):
   bf16 unit roundoff (``PERTURBATION``): what one step from gradients a rounding apart moves;
 - later iterations up to ``--judge-until`` within the strict bounds, or, where they part beyond
   them, within 3 x the drift of the perturbed reference runs from fusion off (``--noise-runs``);
-  beyond that after every parameter agreed at iterations 1 and 2: "drifts" (exit 4, weak evidence);
+  beyond that, after iterations 1 and 2 agreed (per parameter or by megatron's values alone):
+  "drifts" (exit 4, weak evidence), never "differs", which needs what noise cannot give;
 - a value compare could not compare (NaN or inf, a step the fp16 loss scaler skipped, an
-  iteration one run logged and the other did not) is never "same": the verdict says so (exit 3).
+  iteration one run logged and the other did not) is never "same": the verdict says so (exit 3);
+- what the verdict could not judge is said in it: the fixes a reference under gemm-patch
+  (``--off-patched``) ran too, read from its own summary lines and probe records; a perturbed
+  reference run that failed, and what it would have judged; probe records it cannot pair.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
 from ..engine import grad_probe
+from ..engine.target import BYPASSED, PATCHED_STATES
 from . import compare_params
 from .compare_log import ITERATION_RE, Iteration, Log, MemoryReport, parse_log
 from .compare_process import Interrupted, read_text, run_command, signals_end_runs
@@ -89,8 +96,16 @@ class Run:
     seconds: float = 0.0
     log: Log = field(default_factory=Log)
     tail: list[str] = field(default_factory=list)
-    probe: dict[int, dict[str, Any]] = field(default_factory=dict)
+    records: list[dict[str, Any]] = field(default_factory=list)  # every probe record, as written
+    steps: dict[int, dict[int, dict[str, Any]]] = field(default_factory=dict)  # iteration -> rank -> record
+    unplaced: list[dict[str, Any]] = field(default_factory=list)  # records of no known iteration
+    probe: dict[int, dict[str, Any]] = field(default_factory=dict)  # the first step's records, by rank
     probe2: dict[int, dict[str, Any]] = field(default_factory=dict)  # the second step's records
+
+    @property
+    def first_step(self) -> int | None:
+        """The iteration of the probe's first record (1, or where the run resumed), or None."""
+        return min(self.steps, default=None)
 
     @property
     def probe_dir(self) -> str:
@@ -124,9 +139,17 @@ def execute(run: Run, env: Mapping[str, str], progress: TextIO) -> Run:
     run.seconds = round(time.monotonic() - start, 1)
     text = read_text(run.log_path)
     run.log, run.tail = parse_log(text), text.splitlines()[-TAIL_LINES:]
-    run.probe = grad_probe.read(run.probe_dir)
-    run.probe2 = grad_probe.read(os.path.join(run.probe_dir, grad_probe.STEP2))
+    read_probe(run)
     return run
+
+
+def read_probe(run: Run) -> None:
+    """The run's probe records, placed by iteration; its first two steps as ``probe`` and ``probe2``."""
+    run.records = grad_probe.read(run.probe_dir)
+    run.steps, run.unplaced = grad_probe.by_iteration(run.records)
+    first = run.first_step
+    run.probe = run.steps.get(first, {}) if first is not None else {}
+    run.probe2 = run.steps.get(first + 1, {}) if first is not None else {}
 
 
 def _rel(a: float | None, b: float | None) -> float | None:
@@ -175,10 +198,11 @@ def _beyond(x: Iteration, y: Iteration, loss_bound: float, grad_norm_bound: floa
 
 
 def judge(on: Log, off: Log, loss_rtol: float, grad_norm_rtol: float, judge_until: int,
-          noise: Sequence[Log] = (), noise_measured: bool = False) -> dict[str, Any]:
+          noise: Sequence[Log] = (), noise_measured: bool = False,
+          unmeasured: str = "the run-to-run drift was not measured") -> dict[str, Any]:
     """Rows per iteration either run logged; the first difference and the first iteration that could
     not be compared among those judged (or None); ``needs_noise``: later iterations that part beyond
-    the strict bound while no run-to-run drift was measured."""
+    the strict bound while no run-to-run drift was measured (``unmeasured`` says why)."""
     a, b = ({it.iteration: it for it in log.iterations} for log in (on, off))
     labels = ("fusion-on", "fusion-off")
     envelope = _drift_envelope(b, [{it.iteration: it for it in log.iterations} for log in noise], labels[1])
@@ -205,8 +229,7 @@ def judge(on: Log, off: Log, loss_rtol: float, grad_norm_rtol: float, judge_unti
                         reason += " (3 x the drift of fusion off from its perturbed repeats up to this iteration)"
                 else:
                     needs_noise.append(n)
-                    reason, cannot = None, (f"parts beyond the strict bound ({reason}); the run-to-run "
-                                            "drift was not measured")
+                    reason, cannot = None, f"parts beyond the strict bound ({reason}); {unmeasured}"
         row["differs"], row["not_compared"] = reason, cannot
         if row["judged"]:
             if reason and first is None:
@@ -258,8 +281,11 @@ def render(runs: Sequence[Run], result: dict[str, Any], out: TextIO) -> None:
     if comparison:
         print(f"\n{'iteration':>9} | {'lm loss on':>12} | {'lm loss off':>12} | {'rel':>8} | {'grad norm on':>12} | "
               f"{'grad norm off':>13} | {'rel':>8} | {'ms on':>8} | {'ms off':>8} |", file=out)
+        # after the first two steps a part beyond the drift is weak evidence: said as such
+        weak = result.get("verdict") == "drifts"
         for r in comparison["rows"]:
-            note = (f"differs: {r['differs']}" if r["differs"] else f"not compared: {r['not_compared']}"
+            beyond = "beyond the drift" if weak and r["iteration"] > (on.first_step or 1) + 1 else "differs"
+            note = (f"{beyond}: {r['differs']}" if r["differs"] else f"not compared: {r['not_compared']}"
                     if r["not_compared"] else "not judged" if not r["judged"] else
                     f"within 3 x the fusion-off runs' drift (grad norm {r['noise']['grad_norm_rel']:.1e}, "
                     f"lm loss {r['noise']['loss_rel']:.1e})" if r["noise"] else "")
@@ -272,12 +298,12 @@ def render(runs: Sequence[Run], result: dict[str, Any], out: TextIO) -> None:
         print(f"\nstep time (median of the logged intervals after the first): on {_fmt(ms_on, '.1f')} ms, "
               f"off {_fmt(ms_off, '.1f')} ms{ratio}", file=out)
         _render_memory(runs[:2], out)
-    params = result.get("parameters")
+    params, step = result.get("parameters"), on.first_step or 1
     if params:
         if params["judged"]:
             count = params.get("parameters", params["count"])
             blocks = f", {params['count']} records over the ranks" if params["count"] != count else ""
-            print(f"\nper parameter at iteration 1 ({count} judged{blocks}, bound max(2^-7, 3 x noise)); worst: "
+            print(f"\nper parameter at iteration {step} ({count} judged{blocks}, bound max(2^-7, 3 x noise)); worst: "
                   f"{compare_params.describe(params['worst'], _ranks(on))}", file=out)
         else:
             print(f"\nper parameter: global values only: {params['why']}", file=out)
@@ -285,10 +311,11 @@ def render(runs: Sequence[Run], result: dict[str, Any], out: TextIO) -> None:
     if params2 and params["judged"]:
         if params2["judged"]:
             count = params2.get("parameters", params2["count"])
-            print(f"per parameter at iteration 2 ({count} judged, bound max(2^-7, 3 x the perturbed reference's)); "
+            print(f"per parameter at iteration {step + 1} ({count} judged, bound max(2^-7, 3 x the perturbed "
+                  "reference's)); "
                   f"worst: {compare_params.describe(params2['worst'], _ranks(on))}", file=out)
         else:
-            print(f"per parameter at iteration 2: not judged: {params2['why']}", file=out)
+            print(f"per parameter at iteration {step + 1}: not judged: {params2['why']}", file=out)
     print(f"\nverdict: {result['summary']}", file=out)
 
 
@@ -352,13 +379,19 @@ def unproven(on: Run, off: Run, off_args: Sequence[str]) -> str | None:
 
 def decide(runs: Sequence[Run], args: argparse.Namespace, off_args: Sequence[str]) -> dict[str, Any]:
     """The verdict and exit code. A failed run is a difference when the other run succeeded (the
-    two behave differently), unreadable when both failed (nothing to compare against)."""
-    on, off, noise = runs[0], runs[1], list(runs[2:])
+    two behave differently), unreadable when both failed (nothing to compare against). A perturbed
+    reference run that failed or cannot be read is left out, and the verdict says what it could
+    therefore not judge."""
+    on, off = runs[0], runs[1]
+    failed_noise = [run for run in runs[2:] if run.problem()]
+    noise = [run for run in runs[2:] if not run.problem()]
+    unmeasured = "the run-to-run drift was not measured" + (
+        f" ({_failure(failed_noise[0])})" if failed_noise and not noise else "")
     problems = [p for p in (run.problem() for run in (on, off)) if p]
     comparison = None
     if on.log.iterations and off.log.iterations:  # also after a late failure: show what both logged
         comparison = judge(on.log, off.log, args.loss_rtol, args.grad_norm_rtol, args.judge_until,
-                           [r.log for r in noise], bool(noise))
+                           [r.log for r in noise], bool(noise), unmeasured)
     failed = [run for run in (on, off) if run.rc != 0]
     if failed:
         both = len(failed) == 2 or any(run.problem() for run in (on, off) if run.rc == 0)
@@ -370,37 +403,49 @@ def decide(runs: Sequence[Run], args: argparse.Namespace, off_args: Sequence[str
     if missing:
         return {"verdict": "not proven", "exit_code": EXIT_UNREADABLE, "comparison": comparison,
                 "summary": f"not proven: {missing}"}
-    params = compare_params.judge_parameters(on.probe, off.probe, [r.probe for r in noise]) \
-        if not args.no_probe else {"judged": False, "why": "--no-probe"}
-    params2 = second_step(on, off, noise, args)
+    unpaired = None if args.no_probe else probe_pairing(on, off)
+    if args.no_probe or unpaired:
+        params = params2 = {"judged": False, "why": "--no-probe" if args.no_probe else unpaired}
+    else:
+        params = compare_params.judge_parameters(on.probe, off.probe, [r.probe for r in noise])
+        params2 = second_step(on, off, noise, args, failed_noise)
+    s1 = (on.first_step or 1) if params["judged"] else 1
+    s2 = s1 + 1
     per_parameter = (f"each parameter's gradient within max(2^-7, 3 x noise){compare_params.unjudged(params)}, "
                      if params["judged"] else "")
-    second = (f"; at iteration 2 each parameter's gradient within max(2^-7, 3 x its difference in the perturbed "
+    second = (f"; at iteration {s2} each parameter's gradient within max(2^-7, 3 x its difference in the perturbed "
               f"fusion-off run{'s' if len(noise) > 1 else ''})" if params2["judged"] else "")
-    rule = (f"at iteration 1 {per_parameter}lm loss within "
+    rule = (f"at iteration {s1} {per_parameter}lm loss within "
             f"{args.loss_rtol:g} and grad norm within {args.grad_norm_rtol:g} (relative; +{GRAD_NORM_PRINTED:g} for "
             f"the printed grad norm){second}; later iterations up to {args.judge_until} within the same or within "
             f"{NOISE_FACTOR:g} x the drift of fusion off from its perturbed repeats")
     base = {"comparison": comparison, "rule": rule, "parameters": params, "parameters_step2": params2}
-    scope = "" if params["judged"] else f" (global values only: {params['why']})"
+    shared = shared_fixes(on, [off, *noise], args.off_patched)
+    scope = [f"global values only: {params['why']}"] if not params["judged"] else []
+    scope = f" ({'; '.join(scope + [shared] if shared else scope)})" if scope or shared else ""
+    step2_lost = bool(failed_noise and not noise and on.probe2 and off.probe2 and not args.no_probe and not unpaired)
+    notes = records_not_compared(on, off) + failed_references(failed_noise, f"each parameter at iteration {s2}"
+                                                              if step2_lost else None)
     first = comparison["first_difference"]
-    for step, judged in ((1, params), (2, params2)):
+    for step, judged in ((s1, params), (s2, params2)):
         if first and first["iteration"] < step:
             break
         if judged["judged"] and judged["differs"]:
             why = compare_params.describe(judged["worst"], _ranks(on))
             return {**base, "verdict": "differs", "exit_code": EXIT_DIFFERS,
-                    "summary": f"differs at iteration {step}: {why}",
+                    "summary": f"differs at iteration {step}: {why}{notes}",
                     "first_difference": {"iteration": step, "why": why, "parameter": judged["worst"]["parameter"]}}
-    if first and first["iteration"] > 2 and params["judged"] and params2["judged"]:
-        # Every parameter agreed at the first two steps: a later part beyond the perturbed runs'
-        # drift is weak evidence (a chaotic model parts at its own pace), not a difference.
+    if first and first["iteration"] > s2:
+        # Past the first two steps every run parts at the model's own pace: one beyond the perturbed
+        # runs' drift is weak evidence, however the first two steps were seen (each parameter, or
+        # megatron's values alone), not a difference.
         return {**base, "verdict": "drifts", "exit_code": EXIT_DRIFTS,
-                "summary": f"drifts at iteration {first['iteration']}: {first['why']}; every parameter agreed at "
-                           "iterations 1 and 2: weak evidence (more --noise-runs measure the drift better)"}
+                "summary": f"drifts at iteration {first['iteration']}: {first['why']}; "
+                           f"{agreement(params, params2, comparison, s1)}{scope}: weak evidence (more --noise-runs "
+                           f"measure the drift better){notes}"}
     if first:
         return {**base, "verdict": "differs", "exit_code": EXIT_DIFFERS,
-                "summary": f"differs at iteration {first['iteration']}: {first['why']}{scope}"}
+                "summary": f"differs at iteration {first['iteration']}: {first['why']}{scope}{notes}"}
     judged, uncompared = comparison["judged_iterations"], comparison["first_not_compared"]
     unlogged = unlogged_iterations(on.log, off.log, min(args.judge_until, args.iters or args.judge_until))
     shown = ", ".join(map(str, unlogged[:5])) + (", ..." if len(unlogged) > 5 else "")
@@ -412,19 +457,126 @@ def decide(runs: Sequence[Run], args: argparse.Namespace, off_args: Sequence[str
                              "with it at 1 every iteration up to --judge-until is judged)"}
     if not judged or uncompared:
         why = (f" at iteration {uncompared['iteration']}: {uncompared['why']}{scope}" if judged else
-               f": no logged iteration up to {args.judge_until} (--judge-until)")
-        return {**base, "verdict": "not compared", "exit_code": EXIT_NOT_COMPARED, "summary": f"not compared{why}"}
+               f": no logged iteration up to {args.judge_until} (--judge-until){scope}")
+        return {**base, "verdict": "not compared", "exit_code": EXIT_NOT_COMPARED,
+                "summary": f"not compared{why}{notes}"}
     later = len(comparison["rows"]) - len(judged)
     return {**base, "verdict": "same", "exit_code": EXIT_SAME,
             "summary": f"same{scope}: {rule} (iterations {', '.join(map(str, judged))}"
                        + (f"; noise measured by {len(noise)} perturbed fusion-off run{'s' if len(noise) > 1 else ''}"
                           if noise else "") + ")"
                        + (f"; {later} later iteration{'s' if later != 1 else ''} shown, not judged" if later else "")
-                       + (f"; iterations {shown} not logged, not judged" if unlogged else "")}
+                       + (f"; iterations {shown} not logged, not judged" if unlogged else "") + notes}
 
 
-def second_step(on: Run, off: Run, noise: Sequence[Run], args: argparse.Namespace) -> dict[str, Any]:
-    """Each parameter at iteration 2, judged against the perturbed reference runs (one optimizer
+def agreement(params: dict[str, Any], params2: dict[str, Any], comparison: dict[str, Any], first: int) -> str:
+    """What agreed at the first two steps, in words: each parameter (the probe), megatron's logged
+    values, or nothing compared there."""
+    rows = {r["iteration"]: r for r in comparison["rows"]}
+
+    def seen(step: int, judged: dict[str, Any]) -> tuple[str | None, str]:
+        """(what agreed at ``step``, or None; why nothing did)"""
+        if judged["judged"]:
+            return "each parameter", ""
+        row = rows.get(step)
+        if row and row["judged"] and not row["differs"] and not row["not_compared"]:
+            return "megatron's lm loss and grad norm", ""
+        return None, (f"not compared: {row['not_compared']}" if row and row["not_compared"] else
+                      "neither logged nor recorded by the probe")
+    how = [seen(first, params), seen(first + 1, params2)]
+    if how[0][0] == how[1][0] == "each parameter":
+        return f"every parameter agreed at iterations {first} and {first + 1}"
+    if how[0][0] and how[0][0] == how[1][0]:
+        return f"{how[0][0]} agreed at iterations {first} and {first + 1}"
+    return ", ".join(f"{what} agreed at iteration {step}" if what else f"iteration {step} {why}"
+                     for step, (what, why) in ((first, how[0]), (first + 1, how[1])))
+
+
+def _failure(run: Run) -> str:
+    """'the LABEL run failed (exit code N: cause)', or what else makes the run unusable."""
+    if run.rc != 0:
+        cause = f": {run.log.exception}" if run.log.exception else ""
+        return f"the {run.label} run failed (exit code {run.rc}{cause})"
+    return run.problem() or ""
+
+
+def failed_references(failed: Sequence[Run], lost: str | None) -> str:
+    """The perturbed reference runs left out, each said, with what their absence left unjudged
+    ('' where none failed)."""
+    if not failed:
+        return ""
+    said = "; ".join(_failure(run) for run in failed)
+    return f"; {said}, so {lost} was not judged" if lost else f"; {said}: left out"
+
+
+def probe_pairing(on: Run, off: Run) -> str | None:
+    """Why the two runs' first probe records are not of the same step, or None."""
+    if on.steps and off.steps and on.first_step != off.first_step:
+        return (f"the probe's first record is of iteration {on.first_step} in the {on.label} run and of iteration "
+                f"{off.first_step} in the {off.label} run: not the same step, not compared")
+    return None
+
+
+def records_not_compared(on: Run, off: Run) -> str:
+    """The probe records of one run that have no record of the same iteration in the other (a
+    restarted worker's, say), said as not compared ('' where none)."""
+    parts = []
+    for run, other in ((on, off), (off, on)):
+        if not other.steps:
+            continue  # no record at all there: the per-parameter judgement says why
+        lone = sorted(n for n in run.steps if n not in other.steps)
+        if lone:
+            restarted = all(grad_probe.later_process(rec, run.records) for n in lone for rec in run.steps[n].values())
+            parts.append(f"the probe's records of iteration{'s' if len(lone) > 1 else ''} {', '.join(map(str, lone))} "
+                         f"in the {run.label} run{' (a restarted process)' if restarted else ''} not compared: the "
+                         f"{other.label} run has none of {'those iterations' if len(lone) > 1 else 'that iteration'}")
+        if run.unplaced:
+            count = len(run.unplaced)
+            parts.append(f"{count} probe record{'s' if count > 1 else ''} of a restarted process in the {run.label} "
+                         "run not compared: the iteration is not known (megatron's arguments do not give it)")
+    return "".join(f"; {part}" for part in parts)
+
+
+# gemm-patch's fixes whose code runs only on the fused path (the fused weight-gradient write, the
+# kernel or dummy it needs, NeMo's fusion switch): a fusion-off reference under gemm-patch does
+# not reach them, so they stay judged. Every other fix patched in the reference is code both runs
+# run, and a defect there cannot show.
+FUSED_PATH_ONLY = frozenset({"fsdp-wgrad", "fsdp-wgrad-gemm", "apex-wgrad", "te-dummy-wgrad", "nemo-fsdp-gaf"})
+
+
+def patched_in(run: Run) -> list[str] | None:
+    """The targets a run shows patched: gemm-patch's summary lines and the probe's record of each
+    target's state; None where it shows neither."""
+    states = [rec["gemm_patch"] for rec in run.records if isinstance(rec.get("gemm_patch"), dict)]
+    if not run.log.gemm_patch_lines and not states:
+        return None
+    names = run.log.patched_targets()
+    for state in states:
+        if state.get("enabled", True):
+            names += [name for name, st in (state.get("targets") or {}).items()
+                      if st in PATCHED_STATES or st == BYPASSED]
+    return list(dict.fromkeys(names))
+
+
+def shared_fixes(on: Run, references: Sequence[Run], off_patched: bool) -> str | None:
+    """What the verdict cannot judge because the reference ran gemm-patch code that the judged run
+    runs too, read from what the reference runs show; None where they ran none."""
+    seen = [patched_in(run) for run in references]
+    if off_patched and all(names is None for names in seen):
+        return ("the reference ran under gemm-patch (--off-patched) and shows neither gemm-patch's summary lines nor "
+                "a probe record of what it patched: a defect shared by both runs is not judged")
+    judged_run = patched_in(on)
+    shared = [name for names in seen for name in names or () if name not in FUSED_PATH_ONLY
+              and (judged_run is None or name in judged_run)]
+    if not shared:
+        return None
+    return (f"the reference ran gemm-patch's {', '.join(dict.fromkeys(shared))} too: a defect shared by both runs is "
+            "not judged")
+
+
+def second_step(on: Run, off: Run, noise: Sequence[Run], args: argparse.Namespace,
+                failed: Sequence[Run] = ()) -> dict[str, Any]:
+    """Each parameter at the second step, judged against the perturbed reference runs (one optimizer
     step from first-step gradients a rounding apart: what a correct fused run may differ by);
     not judged without them."""
     if args.no_probe:
@@ -433,6 +585,8 @@ def second_step(on: Run, off: Run, noise: Sequence[Run], args: argparse.Namespac
         return {"judged": False, "why": "no second-step record (a run of one step, or no probe)"}
     references = [r.probe2 for r in noise if r.probe2]
     if not references:
+        if failed:
+            return {"judged": False, "why": f"{_failure(failed[0])}: nothing measured what one step moves"}
         return {"judged": False, "why": "no perturbed fusion-off run to measure what one step moves (--noise-runs 0)"}
     return compare_params.judge_parameters(on.probe2, off.probe2, references)
 
@@ -471,7 +625,8 @@ def as_record(command: list[str], runs: Sequence[Run], result: dict[str, Any],
                            "iterations": [asdict(i) for i in run.log.iterations],
                            "memory": [asdict(m) for m in run.log.memory],
                            "gemm_patch_lines": run.log.gemm_patch_lines,
-                           "probe": {"folder": run.probe_dir, "ranks": sorted(run.probe)},
+                           "probe": {"folder": run.probe_dir, "ranks": sorted(run.probe),
+                                     "iterations": sorted(run.steps), "not_placed": len(run.unplaced)},
                            "tail": run.tail if run.problem() else []} for run in runs},
     }
     flags: dict[str, str] = {}
@@ -678,7 +833,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _clear(folder: str) -> None:
-    for path in [*Path(folder).glob("rank*.json"), *Path(folder, grad_probe.STEP2).glob("rank*.json")]:
+    for path in grad_probe.files(folder):
         path.unlink()
 
 

@@ -27,6 +27,10 @@ ITERATION_RE = re.compile(r"\biteration\s+(\d+)/\s*(\d+)\s*\|(.*)$")
 MEMORY_RE = re.compile(r"\[Rank (\d+)\] \(after (\d+) iterations\) memory \(MB\) \| allocated: ([\d.]+) \| "
                        r"max allocated: ([\d.]+) \| reserved: ([\d.]+) \| max reserved: ([\d.]+)")
 GEMM_PATCH_LINE_RE = re.compile(r"\[gemm_patch\] (?:INFO|WARNING|ERROR): .*")
+# A target patched, as gemm-patch's summary line names it: ``fsdp-shared-grad verified``,
+# ``apex-wgrad provided (apex missing; verified)``; off, unverified and the rest are not patched.
+PATCHED_PART_RE = re.compile(r"(?:: |, )([a-z0-9]+(?:-[a-z0-9]+)+) "
+                             r"(?:verified|compatible|forced|bypassed|provided|replaced apex)\b")
 FUSION_RE = re.compile(r"\bgradient_accumulation_fusion(?:\s+\.+\s+|\s*[:=]\s*)(True|False|true|false)\b")
 LAUNCHER_PREFIX_RE = re.compile(r"^(?:\[(?:default|rank)\d+\]:\s?)+")
 EXCEPTION_RE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Failure))(?::\s.*)?$")
@@ -69,6 +73,12 @@ class Log:
             return None
         rank = min(m.rank for m in self.memory)
         return max((m for m in self.memory if m.rank == rank), key=lambda m: m.after)
+
+    def patched_targets(self) -> list[str]:
+        """The targets gemm-patch's summary lines (INFO, WARNING) name as patched, in their order."""
+        found = [m.group(1) for line in self.gemm_patch_lines if not line.startswith("[gemm_patch] ERROR")
+                 for m in PATCHED_PART_RE.finditer(line)]
+        return list(dict.fromkeys(found))
 
     def step_ms(self) -> float | None:
         """Median of the logged per-iteration times after the first line (iteration 1 holds start-up)."""

@@ -1,10 +1,16 @@
 """A read-only gradient probe: with ``GEMM_PATCH_GRAD_PROBE=FOLDER`` set, record every parameter's
-reduced gradient right after megatron-core's first ``finalize_model_grads`` (the end of the
-first step's gradient reduction: the data-parallel reduce, the tied-embedding and layer-norm
-all-reduces, the per-token scaling), into ``FOLDER/rank<R>.json`` on every rank, and after the
-second into ``FOLDER/step2/rank<R>.json``. Each record also says the gradient-accumulation fusion
-setting of the model chunks' configuration (``fusion``): what the model ran with, whatever the
-framework printed.
+reduced gradient right after each of the first two calls of megatron-core's
+``finalize_model_grads`` in a process (the end of a step's gradient reduction: the data-parallel
+reduce, the tied-embedding and layer-norm all-reduces, the per-token scaling), one file per rank
+and call in ``FOLDER``. Each record also says the gradient-accumulation fusion setting of the model
+chunks' configuration (``fusion``): what the model ran with, whatever the framework printed.
+
+Each record says which step it is of: ``call`` (1 or 2 in its process), ``iteration`` (megatron's
+training iteration, where megatron.training's arguments are set; None elsewhere, e.g. under
+Megatron-Bridge) and ``process`` (pid, start time, the launcher's restart count). A worker that a
+launcher restarts (torchrun ``--max-restarts``, a requeue) starts its own count: its records are
+files of their own, and ``by_iteration`` places them by iteration or leaves them unplaced, never
+over the first process's.
 ``gemm-patch compare`` sets it in both of its runs (the fusion-off run too, with every patch off:
 the probe is installed even where ``GEMM_PATCH=0``) and judges each parameter.
 
@@ -40,14 +46,19 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 ENV = "GEMM_PATCH_GRAD_PROBE"
 PERTURB_ENV = "GEMM_PATCH_GRAD_PROBE_PERTURB"
-STEPS = 2  # the steps recorded: the first in FOLDER, the second in FOLDER/step2
-STEP2 = "step2"
+STEPS = 2  # the calls recorded in each process
+STEP2 = "step2"  # where records that do not say their call were written after the second
+SCHEMA = 2
+# Where a launcher says how often it has restarted this worker (torchrun, Slurm).
+RESTART_VARIABLES = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
 MODULE = "megatron.core.distributed.finalize_model_grads"
 PROJECTIONS = 8
 _PRIME = 2147483647
@@ -55,6 +66,7 @@ _MULTIPLIERS = (48271, 69621, 16807, 39373, 950706376, 742938285, 1226874159, 62
 _CHUNK = 1 << 22
 
 _calls = 0
+_started = time.time()  # imported at the process's start-up: what tells its records from a restart's
 
 
 def requested() -> str | None:
@@ -90,10 +102,27 @@ def _after_first_reduction(wrapped: Any, instance: Any, args: tuple, kwargs: dic
         chunks = model if isinstance(model, (list, tuple)) else [model]
         folder = requested()
         if folder:
-            write(folder if _calls == 1 else os.path.join(folder, STEP2), record(chunks))
+            write(folder, {**record(chunks), **identity(_calls, megatron_iteration())})
         if _calls == 1 and perturbation():
             perturb(chunks, perturbation())
     return result
+
+
+def megatron_iteration() -> int | None:
+    """The iteration megatron's training loop is in, where megatron.training's arguments are set
+    (``curr_iteration`` counts the steps done before this one); None elsewhere. Only read: the
+    module is not imported here."""
+    module = sys.modules.get("megatron.training.global_vars")
+    done = getattr(getattr(module, "_GLOBAL_ARGS", None), "curr_iteration", None)
+    return done + 1 if isinstance(done, int) and not isinstance(done, bool) and done >= 0 else None
+
+
+def identity(call: int, iteration: int | None) -> dict[str, Any]:
+    """What places a record: its call in this process, its iteration (None where unknown) and the
+    process."""
+    process = {"pid": os.getpid(), "started": _started,
+               **{name: os.environ[name] for name in RESTART_VARIABLES if name in os.environ}}
+    return {"call": call, "iteration": iteration, "process": process}
 
 
 def perturbation() -> float:
@@ -214,7 +243,7 @@ def record(chunks: Iterable[Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    out: dict[str, Any] = {"schema": 1, "rank": rank, "hook": f"{MODULE}.finalize_model_grads",
+    out: dict[str, Any] = {"schema": SCHEMA, "rank": rank, "hook": f"{MODULE}.finalize_model_grads",
                            "projections": PROJECTIONS, "parameters": {}, "without_gradient": [],
                            "not_recorded": {}, "blocks": {}}
     try:
@@ -270,21 +299,65 @@ def _contribution_or_zeros(out: dict[str, Any], name: str, flat: Any, start: int
 
 
 def write(folder: str, rec: dict[str, Any]) -> None:
+    """``rec`` into a file of its own: named by rank, call and process, so that no process's
+    record replaces another's."""
+    process = rec.get("process") or {}
+    name = f"rank{rec['rank']}.call{rec.get('call', 1)}.{process.get('pid', 0)}-{process.get('started', 0.0):.6f}.json"
     try:
         path = Path(folder)
         path.mkdir(parents=True, exist_ok=True)
-        (path / f"rank{rec['rank']}.json").write_text(json.dumps(rec) + "\n")
+        (path / name).write_text(json.dumps(rec) + "\n")
     except OSError:
         pass
 
 
-def read(folder: str) -> dict[int, dict[str, Any]]:
-    """{rank: record} of the records in ``folder`` (empty where there are none)."""
-    out = {}
-    for path in sorted(Path(folder).glob("rank*.json")):
-        try:
-            rec = json.loads(path.read_text())
-            out[int(rec["rank"])] = rec
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
+def read(folder: str) -> list[dict[str, Any]]:
+    """Every record in ``folder`` (empty where there are none). A record that does not say its
+    call (``FOLDER/rank<R>.json`` and ``FOLDER/step2/rank<R>.json``, as records were written
+    before they said it) gets 1 or 2 by where it lies."""
+    out = []
+    for where, call in ((Path(folder), 1), (Path(folder, STEP2), 2)):
+        for path in sorted(where.glob("rank*.json")):
+            try:
+                rec = json.loads(path.read_text())
+                int(rec["rank"])
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            out.append({**rec, "rank": int(rec["rank"]), "call": rec.get("call", call)})
     return out
+
+
+def files(folder: str) -> list[Path]:
+    """The record files in ``folder``, of either naming."""
+    return [*Path(folder).glob("rank*.json"), *Path(folder, STEP2).glob("rank*.json")]
+
+
+def _process_key(rec: dict[str, Any]) -> tuple[float, int]:
+    process = rec.get("process") or {}
+    return float(process.get("started") or 0.0), int(process.get("pid") or 0)
+
+
+def later_process(rec: dict[str, Any], records: Iterable[dict[str, Any]]) -> bool:
+    """Whether ``rec`` was written by a process of its rank that started after the rank's first
+    (a restarted worker)."""
+    return _process_key(rec) > min(_process_key(r) for r in records if r["rank"] == rec["rank"])
+
+
+def by_iteration(records: list[dict[str, Any]]) -> tuple[dict[int, dict[int, dict[str, Any]]], list[dict[str, Any]]]:
+    """({iteration: {rank: record}}, the records that cannot be placed). A record is placed at its
+    iteration; one that does not say it, at its call where its process is the rank's first (the
+    run's start: call 1 is its first step), and nowhere where a later process wrote it (a restart,
+    resumed at an iteration unknown here). An iteration recorded twice on a rank (a restart that
+    went back to an earlier checkpoint) keeps the first process's record, as compare keeps an
+    iteration's first log line."""
+    placed: dict[int, dict[int, dict[str, Any]]] = {}
+    unplaced = []
+    for rec in sorted(records, key=lambda r: (_process_key(r), r.get("call", 1))):
+        iteration = rec.get("iteration")
+        if not isinstance(iteration, int) or isinstance(iteration, bool):
+            iteration = None if later_process(rec, records) else rec.get("call", 1)
+        if iteration is None:
+            unplaced.append(rec)
+        else:
+            placed.setdefault(iteration, {}).setdefault(rec["rank"], rec)
+    return placed, unplaced

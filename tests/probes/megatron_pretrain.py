@@ -10,6 +10,12 @@ drops the first micro-batch's gradient of four elements of the small ``scale`` p
 overwriting wgrad path does to one parameter), too small a part of the global grad norm to show there;
 ``keep_scale`` carries ``scale``'s first-step gradient into the second step in the fused run (a main
 grad not zeroed between steps: a defect from iteration 2).
+
+``--start-iteration N`` starts the loop at iteration N (a worker restarted from a checkpoint; the
+weights here are the initial ones). ``--megatron-args`` sets ``curr_iteration`` of megatron.training's
+global arguments before each step, as Megatron-LM's ``train()`` does (megatron.training is
+Megatron-LM's, not megatron-core's: a module of that name is made here), where gemm-patch's probe
+reads the iteration.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ import torch
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--train-iters", type=int, default=3)
+    p.add_argument("--start-iteration", type=int, default=1)
+    p.add_argument("--megatron-args", action="store_true")
     p.add_argument("--log-interval", type=int, default=1)
     p.add_argument("--micro-batches", type=int, default=4)
     p.add_argument("--hidden", type=int, default=64)
@@ -100,7 +108,11 @@ def main(argv: list[str]) -> int:
         model = build(args)
         lose = os.environ.get("MEGATRON_PRETRAIN_FAULT") == "lose_scale" and args.gradient_accumulation_fusion
         keep = os.environ.get("MEGATRON_PRETRAIN_FAULT") == "keep_scale" and args.gradient_accumulation_fusion
-        for it in range(1, args.train_iters + 1):
+        training_args = types.SimpleNamespace(curr_iteration=None)
+        if args.megatron_args:
+            sys.modules["megatron.training.global_vars"] = types.SimpleNamespace(_GLOBAL_ARGS=training_args)
+        for it in range(args.start_iteration, args.train_iters + 1):
+            training_args.curr_iteration = it - 1  # the steps done before this one
             carried = model.module.scale.main_grad.clone() if keep and it == 2 else None
             model.zero_grad_buffer()
             if carried is not None:

@@ -679,7 +679,8 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "--off-arg=--no-gradient-accumulation-fusion; Bridge/NeMo: "
                              "model.gradient_accumulation_fusion=false)")
     parser.add_argument("--off-patched", action="store_true",
-                        help="run the fusion-off run under gemm-patch too (default: GEMM_PATCH=0, megatron as shipped)")
+                        help="run the fusion-off run under gemm-patch too (default: GEMM_PATCH=0, megatron as "
+                             "shipped); the verdict then names the fixes it ran as well, which it cannot judge")
     parser.add_argument("--loss-rtol", type=_positive(float), default=LOSS_RTOL, metavar="R",
                         help="largest relative difference |on - off| / |off| of megatron's logged lm loss (the mean "
                              f"over the log interval) that counts as the same (default {LOSS_RTOL:g})")

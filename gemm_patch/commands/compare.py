@@ -526,7 +526,8 @@ def records_not_compared(on: Run, off: Run) -> str:
             continue  # no record at all there: the per-parameter judgement says why
         lone = sorted(n for n in run.steps if n not in other.steps)
         if lone:
-            restarted = all(grad_probe.later_process(rec, run.records) for n in lone for rec in run.steps[n].values())
+            first = grad_probe.first_processes(run.records)
+            restarted = all(grad_probe.later_process(rec, first) for n in lone for rec in run.steps[n].values())
             parts.append(f"the probe's records of iteration{'s' if len(lone) > 1 else ''} {', '.join(map(str, lone))} "
                          f"in the {run.label} run{' (a restarted process)' if restarted else ''} not compared: the "
                          f"{other.label} run has none of {'those iterations' if len(lone) > 1 else 'that iteration'}")

@@ -337,10 +337,19 @@ def _process_key(rec: dict[str, Any]) -> tuple[float, int]:
     return float(process.get("started") or 0.0), int(process.get("pid") or 0)
 
 
-def later_process(rec: dict[str, Any], records: Iterable[dict[str, Any]]) -> bool:
+def first_processes(records: Iterable[dict[str, Any]]) -> dict[int, tuple[float, int]]:
+    """Each rank's first process (the run's start), as the records identify it."""
+    first: dict[int, tuple[float, int]] = {}
+    for rec in records:
+        key = _process_key(rec)
+        first[rec["rank"]] = min(key, first.get(rec["rank"], key))
+    return first
+
+
+def later_process(rec: dict[str, Any], first: dict[int, tuple[float, int]]) -> bool:
     """Whether ``rec`` was written by a process of its rank that started after the rank's first
-    (a restarted worker)."""
-    return _process_key(rec) > min(_process_key(r) for r in records if r["rank"] == rec["rank"])
+    (``first_processes``): a restarted worker."""
+    return _process_key(rec) > first[rec["rank"]]
 
 
 def by_iteration(records: list[dict[str, Any]]) -> tuple[dict[int, dict[int, dict[str, Any]]], list[dict[str, Any]]]:
@@ -352,10 +361,11 @@ def by_iteration(records: list[dict[str, Any]]) -> tuple[dict[int, dict[int, dic
     iteration's first log line."""
     placed: dict[int, dict[int, dict[str, Any]]] = {}
     unplaced = []
+    first = first_processes(records)
     for rec in sorted(records, key=lambda r: (_process_key(r), r.get("call", 1))):
         iteration = rec.get("iteration")
         if not isinstance(iteration, int) or isinstance(iteration, bool):
-            iteration = None if later_process(rec, records) else rec.get("call", 1)
+            iteration = None if later_process(rec, first) else rec.get("call", 1)
         if iteration is None:
             unplaced.append(rec)
         else:

@@ -421,8 +421,8 @@ def decide(runs: Sequence[Run], args: argparse.Namespace, off_args: Sequence[str
             f"{NOISE_FACTOR:g} x the drift of fusion off from its perturbed repeats")
     base = {"comparison": comparison, "rule": rule, "parameters": params, "parameters_step2": params2}
     shared = shared_fixes(on, [off, *noise], args.off_patched)
-    scope = [f"global values only: {params['why']}"] if not params["judged"] else []
-    scope = f" ({'; '.join(scope + [shared] if shared else scope)})" if scope or shared else ""
+    unjudged = ([] if params["judged"] else [f"global values only: {params['why']}"]) + ([shared] if shared else [])
+    scope = f" ({'; '.join(unjudged)})" if unjudged else ""
     step2_lost = bool(failed_noise and not noise and on.probe2 and off.probe2 and not args.no_probe and not unpaired)
     notes = records_not_compared(on, off) + failed_references(failed_noise, f"each parameter at iteration {s2}"
                                                               if step2_lost else None)

@@ -211,8 +211,11 @@ def apply_quietly(strict: bool | None = None) -> None:
         _state.looked_again = False
         installed, _state.to_search = _state.to_search, set()
         # Strict mode refuses an instance that runs upstream's code whenever it is asked, also on an
-        # apply() that installs nothing new: every installed target is searched again.
-        _search_built_before(set(_state.installs) if cfg.strict else installed)
+        # apply() that installs nothing new: every installed target is searched again. Otherwise the
+        # targets installed anew, and those with instances left on upstream's code, which an
+        # apply() made inside a backward could not bring under (the next one can).
+        waiting = {name for name, objs in _state.bypassed.items() if len(objs)}
+        _search_built_before(set(_state.installs) if cfg.strict else installed | waiting)
 
 
 def _wait_for_half_imported_modules() -> None:

@@ -188,6 +188,33 @@ def test_a_megatron_fsdp_built_before_apply_is_brought_under_the_patch(parallel,
 
 
 @needs_code
+@pytest.mark.parametrize("distributed", BUFFERS)
+def test_the_apply_after_one_made_inside_a_backward_brings_the_instance_under(parallel, fsdp, distributed, warnings):
+    """``apply()`` inside a backward (a hook calls it) leaves a MegatronFSDP built before it on
+    megatron's hooks, since the backward running was judged under them: ``bypassed``. The next
+    ``apply()`` outside a backward brings it under (0.5.0 kept it bypassed until revert() and
+    apply(), and it lost the tied embedding's lookup gradient)."""
+    target, module = fsdp
+    torch.manual_seed(0)
+    model = TiedLM(tied=True)
+    gemm_patch.revert()
+    early = wrap(module, model, distributed)
+    x = torch.ones(3, requires_grad=True)
+    y = x * 2
+    y.register_hook(lambda grad: gemm_patch.apply() and None)
+    y.sum().backward()
+    st = state(target.name)
+    assert st.state == "bypassed" and f"1 MegatronFSDP {WORDS}" in st.reason, (st.state, st.reason)
+    assert not twin_functions(early)
+    gemm_patch.apply()
+    assert state(target.name).state in PATCHED and twin_functions(early), state(target.name)
+    _, got, ref, _ = run(model, early)
+    errors = {name: rel(got[name], ref[name]) for name in got}
+    assert all(error < TOL for error in errors.values()), errors
+    assert state(target.name).state in PATCHED
+
+
+@needs_code
 def test_revert_puts_an_instance_brought_under_back_on_megatrons_hooks(parallel, fsdp, warnings, monkeypatch):
     """Exact undo, by revert() and by the target switched off at a later apply(): every hook
     dict and closure cell holds megatron's own objects again, status reads plainly off, and

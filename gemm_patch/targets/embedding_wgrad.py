@@ -16,10 +16,18 @@ weight's gradient, only so that autograd runs Megatron-FSDP's hook.
 Whatever else reaches ``param.grad`` (another, plain use of the weight, a zero dummy) is added
 into ``main_grad`` by the twin's ``_grad_acc``, as megatron does for a ``zero_out_wgrad`` weight
 (``lookup_written``). Where one recorded zero dummy alone is what autograd is about to
-accumulate (``zero_sum_hook``, a tensor hook on the weight), nothing is added and no full-size
-zeros are made. Elsewhere (bf16 main grads, a parameter of other hooks or none, a weight with a
-tensor hook or a post-accumulate-grad hook of its own, which must see the lookup's gradient, a
-main_grad of another shape, CUDA-graph capture, anomaly mode) upstream's own gradient is returned.
+accumulate (``_only_zeros_prehook``, a pre-hook of the weight's AccumulateGrad node), nothing is
+added and no full-size zeros are made. Elsewhere (bf16 main grads, a parameter of other hooks or
+none, a weight with a tensor hook or a post-accumulate-grad hook of its own, which must see the
+lookup's gradient, a main_grad of another shape, CUDA-graph capture, anomaly mode) upstream's own
+gradient is returned.
+
+The writer belongs to megatron's fused path: it runs only where ``gradient_accumulation_fusion``
+is on for the model (``fusion_on``), so that a fusion-off run is megatron's own. In the backward
+it writes only where autograd accumulates into the weight (not where ``torch.autograd.grad``
+captures its gradient) and where the hooks that hand the gradient on take the write: the state
+it needs (the ids, the weight, its accumulator) travels in the graph, kept for a second backward
+through a retained graph.
 """
 
 from __future__ import annotations
@@ -60,45 +68,60 @@ def _lookup() -> Any:
         import torch
 
         class LookupIntoMainGrad(torch.autograd.Function):
-            """``F.embedding`` forward; backward adds the rows into ``main_grad`` (``write_rows``)."""
+            """``F.embedding`` forward; backward adds the rows into ``main_grad`` (``write_rows``).
+            What the backward needs travels in the graph (``ctx``): the ids, the weight and its
+            gradient accumulator, kept for a second backward through a retained graph."""
 
             @staticmethod
-            def forward(ctx: Any, ids: Any, weight: Any) -> Any:
+            def forward(ctx: Any, ids: Any, weight: Any, accumulator: Any) -> Any:
                 ctx.save_for_backward(ids)
-                ctx.weight = weight
+                ctx.weight, ctx.accumulator = weight, accumulator
                 return torch.nn.functional.embedding(ids, weight)
 
             @staticmethod
-            def backward(ctx: Any, grad_output: Any) -> tuple[None, Any]:
+            def backward(ctx: Any, grad_output: Any) -> tuple[None, Any, None]:
                 (ids,) = ctx.saved_tensors
-                weight, ctx.weight = ctx.weight, None
-                return None, write_rows(weight, ids, grad_output)
+                return None, write_rows(ctx.weight, ids, grad_output, ctx.accumulator), None
 
         _function = LookupIntoMainGrad
     return _function
 
 
-def fsdp_embedding(ids: Any, weight: Any) -> Any:
-    """Stands in for megatron's ``F.embedding(masked_input, weight)``."""
+def fsdp_embedding(ids: Any, weight: Any, *, layer: Any = None) -> Any:
+    """Stands in for megatron's ``F.embedding(masked_input, weight)`` of ``layer`` (its
+    ``VocabParallelEmbedding``): the writer only where megatron's gradient-accumulation fusion is
+    on for the model, so that fusion off runs megatron's own lookup."""
     import torch
 
-    if torch.is_grad_enabled() and writes_into_main_grad(weight):
-        fsdp_rules.ensure_zero_hook(weight)
-        return _lookup().apply(ids, weight)
+    if torch.is_grad_enabled() and writes_into_main_grad(weight) and fsdp_rules.fusion_on(layer, weight):
+        accumulator = fsdp_rules.accumulator(weight)
+        if accumulator is not None:
+            return _lookup().apply(ids, weight, accumulator)
     # Megatron's own call, looked up as the original would: its module's F, now.
     return vars(sys.modules[LAYERS])["F"].embedding(ids, weight)
 
 
-def write_rows(param: Any, ids: Any, grad_output: Any) -> Any:
+def write_rows(param: Any, ids: Any, grad_output: Any, accumulator: Any = None) -> Any:
     """The lookup's gradient added into ``param``'s main_grad; returns what autograd gets for the
     weight: a broadcast zero, None where a fused writer of this backward returned one already,
-    or upstream's dense gradient where main_grad cannot take the rows."""
+    or upstream's dense gradient where main_grad is not where it goes.
+
+    Upstream's dense gradient, main_grad untouched: where this backward does not accumulate into
+    the weight (``torch.autograd.grad`` captures its gradient, or ``inputs=`` leaves it out), or
+    main_grad cannot take the rows, or the hooks that will hand the gradient on are megatron's
+    own again (``revert()``, or fsdp-shared-grad switched off, since the forward). megatron's
+    ``_grad_acc`` adds ``param.grad`` into main_grad, except where ``grad_added_to_main_grad``
+    says a fused write of this backward is in already: then it drops ``param.grad``, and the
+    rows go into main_grad as under the twin, so that the lookup is not dropped with it."""
     import torch
 
+    if not fsdp_rules.accumulates(accumulator) or not (
+            takes_direct_writes(param) or param.__dict__.get("grad_added_to_main_grad")):
+        return dense_gradient(param, ids, grad_output)
     main_grad = param.get_main_grad()
     if (main_grad is None or main_grad.dtype != torch.float32 or tuple(main_grad.shape) != tuple(param.shape)
             or fsdp_rules.view_forbidden(main_grad) or fsdp_rules.has_tensor_hooks(param)):
-        return torch.ops.aten.embedding_dense_backward(grad_output, ids, param.shape[0], -1, False)
+        return dense_gradient(param, ids, grad_output)
     param.main_grad = main_grad
     rows = grad_output.reshape(-1, grad_output.shape[-1]).to(torch.float32)
     if not wgrad_accumulates(param):  # a fresh bucket with nothing of this backward in it yet
@@ -106,11 +129,19 @@ def write_rows(param: Any, ids: Any, grad_output: Any) -> Any:
     main_grad.index_add_(0, ids.reshape(-1), rows)
     param.grad_added_to_main_grad = True
     fsdp_rules.LOOKUP_WRITTEN.set(param, fsdp_rules.current_backward())
+    fsdp_rules.ensure_only_zeros_prehook(param, accumulator)
     if fsdp_rules.zero_dummy_delivered(param):
         return None  # autograd accumulates the weight's gradient, and runs the hook, for that one
     zeros = torch.zeros((), dtype=grad_output.dtype, device=param.device).expand(param.shape)
     fsdp_rules.register_zero_dummy(param, zeros)
     return zeros
+
+
+def dense_gradient(param: Any, ids: Any, grad_output: Any) -> Any:
+    """What megatron's ``F.embedding`` hands autograd for the weight: the dense lookup gradient."""
+    import torch
+
+    return torch.ops.aten.embedding_dense_backward(grad_output, ids, param.shape[0], -1, False)
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -130,7 +161,7 @@ class LookupTarget(MethodTarget):
 
     def install(self, module: types.ModuleType, found: Inspection, undo: Undo, cfg: Config) -> str | None:
         twin = build_twin(found.payload, self.where, [Redirect(found.payload.matches, "_gemm_patch_lookup",
-                                                               fsdp_embedding)])
+                                                               fsdp_embedding, {"layer": "self"})])
         self.replace(module, undo, PatchedTwin(self.live_object(module), twin))
         undo.set_item(fsdp_rules.LOOKUP_WRITERS, self.name, True)
         return None

@@ -91,6 +91,7 @@ from ..engine.target import DEFAULTS, Inspection, MethodTarget, PatchedTwin, Und
 from ..upstream.fsdp_rules import (
     HOOKED,
     MANAGED,
+    MODEL_CONFIG,
     current_backward,
     hooks_end_records,
     hooks_end_records_per_module_call,
@@ -254,6 +255,7 @@ def _unmark(instance: Any) -> None:
     root = _root(instance)
     for param in root.parameters() if callable(getattr(root, "parameters", None)) else ():
         MANAGED.pop(param)
+        MODEL_CONFIG.pop(param)
 
 
 def _put_back(instance: Any) -> None:

@@ -92,22 +92,27 @@ HOOKED: weakref.WeakSet = weakref.WeakSet()
 PER_MODULE_CALL = "per-module-call"
 # Per parameter: (backward, weak reference to it) of the zero dummy a fused writer returned as its
 # gradient in that backward (fsdp-wgrad for a zero_out_wgrad weight, fsdp-embedding-wgrad): the
-# first one only; ``zero_sum_hook`` recognises it where it arrives alone.
+# first one only; ``_only_zeros_prehook`` recognises it where it arrives alone.
 ZERO_DUMMY = ParamTable()
 # Per parameter: the backward in which exactly one of those zero dummies was all that reached its
-# gradient (``zero_sum_hook``): its ``param.grad`` holds nothing to add.
+# gradient (``_only_zeros_prehook``): its ``param.grad`` holds nothing to add.
 ONLY_ZEROS = ParamTable()
 # Per parameter: the backward in which fsdp-embedding-wgrad wrote the embedding lookup's gradient
 # straight into its main_grad: its ``param.grad`` then holds only other uses' gradients (and zero
 # dummies), which ``_grad_acc`` adds, as megatron's DDP does for a zero_out_wgrad weight.
 LOOKUP_WRITTEN = ParamTable()
-# Per parameter: the handle of ``zero_sum_hook`` registered on it.
+# Per parameter: the handle of ``_only_zeros_prehook`` on its gradient accumulator (AccumulateGrad).
 ZERO_HOOKS = ParamTable()
+# Per parameter: the configuration of the model whose MegatronFSDP hooks are the twin's (its root
+# module's ``config``, as megatron's models keep it), for a layer that keeps none of its own.
+MODEL_CONFIG = ParamTable()
+# The key under which an accumulator's ``metadata`` holds its ``_only_zeros_prehook`` handle.
+PREHOOK_KEY = "gemm_patch.only_zeros"
 
 
 class _Installs(dict):
     """The installed targets that write a lookup straight into main_grad (name -> True); the
-    last one's removal (an install's undo) takes every ``zero_sum_hook`` off its parameter."""
+    last one's removal (an install's undo) takes every ``_only_zeros_prehook`` off."""
 
     def __delitem__(self, key: str) -> None:
         super().__delitem__(key)
@@ -146,8 +151,11 @@ def hooks_end_records(fsdp: Any, root_module: Any, form: Any = True) -> None:
     no parameter is marked: its writes overwrite."""
     HOOKED.add(fsdp)
     parameters = getattr(root_module, "parameters", None)
+    config = getattr(root_module, "config", None)
     for param in parameters() if callable(parameters) else ():
         MANAGED.set(param, form)
+        if config is not None:
+            MODEL_CONFIG.set(param, config)
 
 
 def hooks_end_records_per_module_call(fsdp: Any, root_module: Any) -> None:
@@ -182,40 +190,94 @@ def zero_dummy_delivered(param: Any) -> bool:
     return known is not None and known[0] == current_backward() and known[1]() is not None
 
 
-def _zero_sum_hook(param: Any) -> Any:
+def fusion_on(layer: Any, param: Any) -> bool:
+    """Whether megatron's ``gradient_accumulation_fusion`` is on for ``layer``: its own
+    configuration says so (megatron-core 0.19+ keep it on the embedding), else that of the model
+    whose MegatronFSDP hooks (the twin's) handle ``param``; False where neither can be read."""
+    config = getattr(layer, "__dict__", {}).get("config")
+    if config is None:
+        config = MODEL_CONFIG.get(param)
+    return getattr(config, "gradient_accumulation_fusion", None) is True
+
+
+def accumulator(param: Any) -> Any:
+    """The autograd node that accumulates the leaf ``param``'s gradient into ``.grad``
+    (AccumulateGrad: the one a graph recorded now leads to), or None."""
+    try:  # torch.autograd.graph.get_gradient_edge (2.2+) does the same, slower
+        return param.view_as(param).grad_fn.next_functions[0][0]
+    except (AttributeError, IndexError, RuntimeError):
+        return None
+
+
+def accumulates(node: Any) -> bool:
+    """Called in a backward: whether it runs ``node``, a leaf's AccumulateGrad, so that the
+    gradient goes into ``.grad`` and through the parameter's hooks. False where the backward
+    captures the leaf's gradient instead (``torch.autograd.grad`` with the leaf among its
+    inputs: torch refuses to answer for a captured leaf), leaves it out (``inputs=``), or
+    where this torch cannot tell."""
+    import torch
+
+    will_execute = getattr(torch._C, "_will_engine_execute_node", None)
+    if node is None or will_execute is None:
+        return False
+    try:
+        return bool(will_execute(node))
+    except RuntimeError:
+        return False
+
+
+def _only_zeros_prehook(param: Any) -> Any:
     ref = weakref.ref(param)
 
-    def hook(grad: Any) -> Any:
-        """What autograd is about to accumulate for the parameter: where it is exactly the zero
-        dummy a fused writer recorded (no other use contributed), say so, and hand autograd a
-        view of main_grad's bytes instead (no full-size zeros to copy); the hooks that read
-        ``param.grad`` then skip it (``ONLY_ZEROS``)."""
+    def hook(grads: Any) -> Any:
+        """What AccumulateGrad is about to store in ``param.grad``: where it is exactly the zero
+        dummy a fused writer recorded (no other use contributed), say so, and hand it a view of
+        main_grad's bytes instead (no full-size zeros to copy); the hooks that read
+        ``param.grad`` then skip it (``ONLY_ZEROS``). A pre-hook of the node, not of the tensor:
+        it runs only where autograd accumulates into the leaf, never on a gradient that
+        ``torch.autograd.grad`` captures and returns. The view is given only where Megatron-FSDP's
+        hook, run by the same node right after, deletes it unread: the twin's hooks handle the
+        parameter now, a fused write of this backward is in main_grad, the parameter is not
+        left to the root hook (``_is_shared``), and no hook of the user's will see it."""
         param = ref()
-        if param is None:
+        grad = grads[0] if grads else None
+        if param is None or grad is None:
             return None
         backward = current_backward()
         known = ZERO_DUMMY.get(param)
-        if known is None or known[0] != backward or known[1]() is not grad or param.grad is not None \
-                or has_tensor_hooks(param):
+        attrs = param.__dict__
+        if (known is None or known[0] != backward or known[1]() is not grad or param.grad is not None
+                or not takes_direct_writes(param) or attrs.get("_is_shared") or has_tensor_hooks(param)
+                or not (attrs.get("grad_added_to_main_grad") or written_in(param, backward))):
+            return None
+        view = storage_view(param, grad.shape, grad.dtype)
+        if view is None:
             return None
         ONLY_ZEROS.set(param, backward)
-        return storage_view(param, grad.shape, grad.dtype)
+        return (view,)
 
-    hook._gemm_patch_own = True  # has_tensor_hooks leaves it out
     return hook
 
 
-def ensure_zero_hook(param: Any) -> None:
-    """``_zero_sum_hook`` registered on ``param`` once (again where something cleared it)."""
-    handle = ZERO_HOOKS.get(param)
-    hooks = getattr(param, "_backward_hooks", None)
-    if handle is not None and hooks is not None and handle.id in hooks:
+def ensure_only_zeros_prehook(param: Any, node: Any) -> None:
+    """``_only_zeros_prehook`` on ``param``'s accumulator ``node`` once, while a lookup writer
+    is installed. A node lives as long as a graph (or anything) holds it: each new one gets it."""
+    if not LOOKUP_WRITERS or node is None:
         return
-    ZERO_HOOKS.set(param, param.register_hook(_zero_sum_hook(param)))
+    try:
+        metadata = node.metadata
+        handle = metadata.get(PREHOOK_KEY)
+        hooks = handle.hooks_dict_ref() if handle is not None else None
+        if hooks is not None and handle.id in hooks:
+            return
+        metadata[PREHOOK_KEY] = handle = node.register_prehook(_only_zeros_prehook(param))
+    except (AttributeError, RuntimeError):  # a torch without node pre-hooks: autograd copies the dummy
+        return
+    ZERO_HOOKS.set(param, handle)
 
 
 def remove_zero_hooks() -> None:
-    """Every ``_zero_sum_hook`` removed (the last lookup writer's undo)."""
+    """Every ``_only_zeros_prehook`` removed (the last lookup writer's undo)."""
     for handle in ZERO_HOOKS.clear():
         handle.remove()
 
@@ -359,8 +421,7 @@ def has_tensor_hooks(param: Any) -> bool:
     ``param.grad``) not defined in megatron's code (Megatron-FSDP's ``_grad_acc`` deletes the
     dummy unread). What such a hook writes must reach only what it reaches upstream, never
     main_grad."""
-    hooks = getattr(param, "_backward_hooks", None) or {}
-    if any(not getattr(hook, "_gemm_patch_own", False) for hook in hooks.values()):
+    if getattr(param, "_backward_hooks", None):
         return True
     post = getattr(param, "_post_accumulate_grad_hooks", None)
     return bool(post) and not all(

@@ -307,6 +307,7 @@ class TiedLM(torch.nn.Module):
         from megatron.core.tensor_parallel import layers
 
         cfg = megatron_cpu.config(fusion=fusion)
+        self.config = cfg  # as GPTModel keeps it (MegatronModule): the model's gradient_accumulation_fusion
         self.embedding = layers.VocabParallelEmbedding(VOCAB, HIDDEN, init_method=torch.nn.init.normal_, config=cfg)
         self.output_layer = layers.ColumnParallelLinear(
             HIDDEN, VOCAB, config=cfg, init_method=torch.nn.init.normal_, bias=False, gather_output=False,

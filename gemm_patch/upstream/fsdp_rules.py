@@ -192,7 +192,7 @@ def zero_dummy_delivered(param: Any) -> bool:
 
 def fusion_on(layer: Any, param: Any) -> bool:
     """Whether megatron's ``gradient_accumulation_fusion`` is on for ``layer``: its own
-    configuration says so (megatron-core 0.19+ keep it on the embedding), else that of the model
+    configuration says so (megatron-core 0.18+ keep it on the embedding), else that of the model
     whose MegatronFSDP hooks (the twin's) handle ``param``; False where neither can be read."""
     config = getattr(layer, "__dict__", {}).get("config")
     if config is None:

@@ -168,7 +168,7 @@ def test_fusion_off_runs_megatrons_own_lookup(parallel, shared_on, defective_wri
 @needs_lookup
 @pytest.mark.parametrize("distributed", BUFFERS)
 def test_where_fusion_cannot_be_read_the_writer_steps_aside(parallel, shared_on, writes, distributed):
-    """Neither the embedding (megatron-core before 0.19 keeps no configuration there) nor the
+    """Neither the embedding (megatron-core before 0.18 keeps no configuration there) nor the
     model wrapped by the MegatronFSDP holds a configuration: megatron's own lookup runs."""
     _, module = shared_on
     torch.manual_seed(0)

@@ -4,6 +4,7 @@ installed side by side under compat/.cache and tested in its own interpreter.
     python compat/matrix.py                  # every release, two at a time; one line per release
     python compat/matrix.py 0.17.1 0.6.1     # some releases (a version, a component, or component==version)
     python compat/matrix.py --report         # every release, then rewrite compat/COMPATIBILITY.md
+    python compat/matrix.py --build-venv 3.12 --torch torch==2.13.0   # only the venv of Python 3.12
 
 Each release is installed once with ``pip install --no-deps --target compat/.cache/<prefix>-X``
 (reused on later runs). What each target must read on it is not written in matrix.json: it
@@ -221,7 +222,14 @@ def _locked(name: str) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+# The torch release a venv for another interpreter gets: this interpreter's, unless given
+# (``--build-venv`` from an interpreter without torch, as .ci/run starts it before its own venv).
+TORCH_PIN: str | None = None
+
+
 def _torch_pin() -> str:
+    if TORCH_PIN:
+        return TORCH_PIN
     try:
         return "torch==" + metadata.version("torch").split("+")[0]
     except metadata.PackageNotFoundError:
@@ -400,7 +408,7 @@ def run_release(release: Release | str, interpreter: Interpreter | None = None,
     try:
         proc = subprocess.run(
             [interpreter.python, "-m", "pytest", str(ROOT / release.tests), "-q", "-p", "no:cacheprovider",
-             "-p", "matrix_quick", f"--junitxml={junit}", *extra_args],
+             "-p", "matrix_quick", "-p", "peak_memory", f"--junitxml={junit}", *extra_args],
             env=test_env, cwd=ROOT, capture_output=True, text=True, timeout=CHILD_TIMEOUT)
         output = proc.stdout[-2000:] + proc.stderr[-2000:]
         returncode = proc.returncode
@@ -589,7 +597,18 @@ def main(argv: Sequence[str]) -> int:
                         help="run every release declaring a newer Python here, with --ignore-requires-python")
     parser.add_argument("--native", action="store_true",
                         help="run every release declaring a newer Python in a venv of it (not only the newest)")
+    parser.add_argument("--build-venv", metavar="MINOR",
+                        help="only build compat/.cache/venv-MINOR (3.12), as the matrix would, and exit")
+    parser.add_argument("--torch", metavar="REQUIREMENT",
+                        help="the torch a venv gets (default: this interpreter's release)")
     args = parser.parse_args(argv)
+    if args.torch:
+        global TORCH_PIN
+        TORCH_PIN = args.torch
+    if args.build_venv:
+        interpreter = ensure_venv(args.build_venv)
+        print(f"Python {args.build_venv} for the matrix: {interpreter.describe()} [{interpreter.python}]")
+        return 1 if interpreter.fallback else 0
     if args.fallback:
         os.environ["GEMM_PATCH_MATRIX_FALLBACK"] = "1"
     if args.native:

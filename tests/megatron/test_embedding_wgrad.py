@@ -287,7 +287,7 @@ def reduced(model) -> dict:
     return {n: p._gbuf.item(p._gbuf.data, p).double() for n, p in model.named_parameters()}
 
 
-def lm_backward(obj, model, tokens, g, extra=None, **kwargs) -> None:
+def lm_backward(obj, model, tokens, g, extra=None) -> None:
     """Forward through the MegatronFSDP's root and backward of ``sum(logits * g)`` (plus the
     weight's plain use ``sum(weight * extra)``)."""
     logits = obj.module(tokens)[0]
@@ -295,7 +295,7 @@ def lm_backward(obj, model, tokens, g, extra=None, **kwargs) -> None:
     if extra is not None:
         outputs.append((model.embedding.weight * extra).sum())
         grads.append(None)
-    torch.autograd.backward(outputs, grads, **kwargs)
+    torch.autograd.backward(outputs, grads)
 
 
 def within(got: dict, ref: dict, tol: float = TOL) -> dict:

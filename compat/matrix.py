@@ -484,9 +484,13 @@ def run_matrix(releases: Sequence[Release], jobs: int = JOBS,
     their releases start once theirs is ready, the others fill the workers until then."""
     scope = plan(releases)
     elsewhere = process_elsewhere(releases, scope)
-    # Longest first (whole folders, then quick runs; megatron-core before megatron-fsdp), so
-    # the two workers finish together.
-    pending = sorted(releases, key=lambda r: (scope[r] is not None, r.component != "megatron-core"))
+    # Longest first, so that the two workers finish together: whole folders, then quick runs;
+    # megatron-core before megatron-fsdp; newest first (a newer release has more applicable
+    # targets, and the newest whole folder runs the common process tests too: the longest run of
+    # all, which started last would run on alone at the end). A release waiting for its venv is
+    # passed over until the venv is ready, then taken next.
+    order = {release: n for n, release in enumerate(releases)}
+    pending = sorted(releases, key=lambda r: (scope[r] is not None, r.component != "megatron-core", -order[r]))
     floors = sorted({r.python for r in pending if in_floor_lane(r)})
     ready: dict[str | None, Interpreter] = {}
     cond = threading.Condition()

@@ -539,10 +539,12 @@ def records_not_compared(on: Run, off: Run) -> str:
 
 
 # gemm-patch's fixes whose code runs only on the fused path (the fused weight-gradient write, the
-# kernel or dummy it needs, NeMo's fusion switch): a fusion-off reference under gemm-patch does
+# kernel or dummy it needs, the embedding lookup written into main_grad, which steps aside where
+# the model's fusion is off, NeMo's fusion switch): a fusion-off reference under gemm-patch does
 # not reach them, so they stay judged. Every other fix patched in the reference is code both runs
 # run, and a defect there cannot show.
-FUSED_PATH_ONLY = frozenset({"fsdp-wgrad", "fsdp-wgrad-gemm", "apex-wgrad", "te-dummy-wgrad", "nemo-fsdp-gaf"})
+FUSED_PATH_ONLY = frozenset({"fsdp-wgrad", "fsdp-wgrad-gemm", "apex-wgrad", "te-dummy-wgrad", "fsdp-embedding-wgrad",
+                             "nemo-fsdp-gaf"})
 
 
 def patched_in(run: Run) -> list[str] | None:

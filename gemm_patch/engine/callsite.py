@@ -57,9 +57,33 @@ def canonical_dump(node: object) -> str:
     return repr(node)
 
 
+# Every apply() judges the same functions of the same parsed trees again (the trees are cached per
+# source text, and only read): what is derived from a tree's nodes is remembered per node, keyed by
+# the nodes' ids and holding the nodes themselves, so that an id cannot be reused while its entry
+# lives.
+_DERIVED: dict[tuple, tuple[tuple, object]] = {}
+_DERIVED_SIZE = 512
+
+
+def _derived(kind: str, nodes: tuple, extra: object, make: Callable[[], object]) -> object:
+    key = (kind, tuple(map(id, nodes)), extra)
+    entry = _DERIVED.get(key)
+    if entry is not None and all(a is b for a, b in zip(entry[0], nodes, strict=True)):
+        return entry[1]
+    value = make()
+    if len(_DERIVED) >= _DERIVED_SIZE:
+        _DERIVED.pop(next(iter(_DERIVED)))
+    _DERIVED[key] = (nodes, value)
+    return value
+
+
 def fingerprint(*nodes: ast.AST | None) -> str:
     """A digest of AST nodes: stable across formatting, comments and Python versions (3.10+),
     changed by any edit to code or decorators."""
+    return _derived("fingerprint", nodes, None, lambda: _digest(*nodes))
+
+
+def _digest(*nodes: ast.AST | None) -> str:
     import hashlib  # only when a module is judged, not at ``import gemm_patch``
 
     dump = "\n".join(canonical_dump(node) for node in nodes if node is not None)
@@ -69,6 +93,10 @@ def fingerprint(*nodes: ast.AST | None) -> str:
 def code_fingerprint(*nodes: ast.AST | None) -> str:
     """``fingerprint`` of the nodes without their docstrings (the string that opens a function's or
     class's body): the same for code that differs only in its docstrings and comments."""
+    return _derived("code_fingerprint", nodes, None, lambda: _bare_digest(*nodes))
+
+
+def _bare_digest(*nodes: ast.AST | None) -> str:
     bare = []
     for node in nodes:
         if node is None:
@@ -81,7 +109,7 @@ def code_fingerprint(*nodes: ast.AST | None) -> str:
                     and isinstance(body[0].value.value, str)):
                 inner.body = body[1:] or [ast.Pass()]
         bare.append(node)
-    return fingerprint(*bare)
+    return _digest(*bare)
 
 
 def _source(module: types.ModuleType) -> str:
@@ -145,6 +173,10 @@ def find_call_site(module: types.ModuleType, owner: str, attribute: str, call: s
 
 def find_calls(funcdef: ast.AST, call: str) -> list[ast.Call]:
     """Every statement-level ``call`` (compared as ASTs) inside ``funcdef``."""
+    return list(_derived("find_calls", (funcdef,), call, lambda: _find_calls(funcdef, call)))
+
+
+def _find_calls(funcdef: ast.AST, call: str) -> list[ast.Call]:
     template = ast.dump(ast.parse(call, mode="eval").body)
     return [node.value for node in ast.walk(funcdef)
             if isinstance(node, ast.Expr) and ast.dump(node.value) == template]
@@ -153,6 +185,10 @@ def find_calls(funcdef: ast.AST, call: str) -> list[ast.Call]:
 def find_assigned_calls(funcdef: ast.AST, call: str) -> list[ast.Call]:
     """Every ``call`` (compared as ASTs) that is the whole value of a one-name assignment
     (``grad_weight = call``) inside ``funcdef``."""
+    return list(_derived("find_assigned_calls", (funcdef,), call, lambda: _find_assigned_calls(funcdef, call)))
+
+
+def _find_assigned_calls(funcdef: ast.AST, call: str) -> list[ast.Call]:
     template = ast.dump(ast.parse(call, mode="eval").body)
     return [node.value for node in ast.walk(funcdef)
             if isinstance(node, ast.Assign) and len(node.targets) == 1
@@ -167,10 +203,13 @@ def find_statement(module: types.ModuleType, owner: str, attribute: str,
     funcdef = parse_method(module, owner, attribute)
     if funcdef is None:
         return None
-    template = canonical_dump(ast.parse(statement).body[0])
-    matches = [node for node in ast.walk(funcdef)
-               if isinstance(node, ast.stmt) and canonical_dump(node) == template]
+    matches = list(_derived("find_statement", (funcdef,), statement, lambda: _find_statements(funcdef, statement)))
     return AnalysedFunction(module, funcdef, fingerprint(funcdef), matches)
+
+
+def _find_statements(funcdef: ast.AST, statement: str) -> list[ast.stmt]:
+    template = canonical_dump(ast.parse(statement).body[0])
+    return [node for node in ast.walk(funcdef) if isinstance(node, ast.stmt) and canonical_dump(node) == template]
 
 
 def _find_class(tree: ast.Module, owner: str) -> ast.ClassDef | None:
@@ -293,13 +332,20 @@ def _decorate(function, decorators: list[ast.expr], module: types.ModuleType):
 
 
 def _refuse_unportable(funcdef: ast.FunctionDef) -> None:
+    unportable = _derived("unportable", (funcdef,), None, lambda: _unportable(funcdef))
+    if unportable:
+        raise CallSiteError(f"{funcdef.name} uses {unportable!r}, which cannot be recompiled outside its class")
+
+
+def _unportable(funcdef: ast.FunctionDef) -> str:
     # A method compiled outside its class body loses name mangling and the __class__ cell (a bare
     # ``super``/``__class__``); an attribute such as ``obj.__class__`` reads the same anywhere.
     for node in ast.walk(funcdef):
         name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
         if (isinstance(node, ast.Name) and name in ("super", "__class__")) or \
                 (name.startswith("__") and not name.endswith("__")):
-            raise CallSiteError(f"{funcdef.name} uses {name!r}, which cannot be recompiled outside its class")
+            return name
+    return ""
 
 
 @dataclass
@@ -333,8 +379,12 @@ def build_twin(analysed: AnalysedFunction, qualname: str, redirects: list[Redire
     """The decorated twin of the analysed function with each redirect's calls sent to its
     function; returns what the class body's ``def`` would have bound (for a ``@staticmethod``
     that is the staticmethod object)."""
-    return build_edited_twin(analysed, qualname, _RedirectCalls(redirects).visit,
-                             {r.name: r.function for r in redirects})
+    # The edit is named by what it does (each redirected call, its position included, the name and
+    # keywords it gets), so that the same redirects of the same function reuse one compiled factory.
+    edit_key = tuple((tuple(ast.dump(m, include_attributes=True) for m in r.matches), r.name,
+                      tuple(r.extra_keywords.items())) for r in redirects)
+    return _build(analysed, qualname, _RedirectCalls(redirects).visit, {r.name: r.function for r in redirects},
+                  ("redirect", edit_key))
 
 
 def build_edited_twin(analysed: AnalysedFunction, qualname: str,
@@ -344,17 +394,22 @@ def build_edited_twin(analysed: AnalysedFunction, qualname: str,
     the new code calls are the closure variables ``cells`` (name -> object), so the module gains
     no name. Compiled against the module's own globals, file name and line numbers; returns what
     the class body's ``def`` would have bound."""
-    funcdef = copy.deepcopy(analysed.funcdef)
-    _refuse_unportable(funcdef)
-    edit(funcdef)
-    decorators, funcdef.decorator_list = funcdef.decorator_list, []
+    # A module-level function without a closure edits the same tree the same way every time.
+    plain = isinstance(edit, types.FunctionType) and not edit.__closure__ and not edit.__defaults__
+    return _build(analysed, qualname, edit, cells, ("edit", edit) if plain else None)
 
-    factory = ast.parse(f"def {FACTORY}({', '.join(cells)}):\n    pass\n").body[0]
-    factory.body = [funcdef, ast.Return(value=ast.Name(id=funcdef.name, ctx=ast.Load()))]
-    tree = ast.fix_missing_locations(ast.Module(body=[factory], type_ignores=[]))
 
+def _build(analysed: AnalysedFunction, qualname: str, edit: Callable[[ast.FunctionDef], object],
+           cells: dict[str, Callable], edit_key: object):
+    """``build_edited_twin``; ``edit_key`` (None: none) names the edit, so that the compiled factory
+    of the same edit of the same tree, for the same module's file and flags, is compiled once.
+    Each call still runs the factory: the twin is a new function over its own cells."""
     module = analysed.module
-    code = compile(tree, _filename(module), "exec", flags=_future_flags(module), dont_inherit=True)
+    extra = (edit_key, tuple(cells), _filename(module), _future_flags(module))
+    made = _derived("twin", (analysed.funcdef,), extra,
+                    lambda: _compile_factory(analysed, edit, cells)) if edit_key is not None \
+        else _compile_factory(analysed, edit, cells)
+    code, decorators = made
     namespace: dict = {}
     # Globals are the module's own dict (live lookups of torch, HAVE_TE, ...); the factory
     # lands in ``namespace``, so the module gains no name.
@@ -362,4 +417,19 @@ def build_edited_twin(analysed: AnalysedFunction, qualname: str,
     function = namespace[FACTORY](*cells.values())
     function.__qualname__ = qualname
     return _decorate(function, decorators, module)
+
+
+def _compile_factory(analysed: AnalysedFunction, edit: Callable[[ast.FunctionDef], object],
+                     cells: dict[str, Callable]) -> tuple[types.CodeType, list[ast.expr]]:
+    """The code of a module defining the factory of the edited function, and its decorators."""
+    _refuse_unportable(analysed.funcdef)
+    funcdef = copy.deepcopy(analysed.funcdef)
+    edit(funcdef)
+    decorators, funcdef.decorator_list = funcdef.decorator_list, []
+
+    factory = ast.parse(f"def {FACTORY}({', '.join(cells)}):\n    pass\n").body[0]
+    factory.body = [funcdef, ast.Return(value=ast.Name(id=funcdef.name, ctx=ast.Load()))]
+    tree = ast.fix_missing_locations(ast.Module(body=[factory], type_ignores=[]))
+    module = analysed.module
+    return compile(tree, _filename(module), "exec", flags=_future_flags(module), dont_inherit=True), decorators
 

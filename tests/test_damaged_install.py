@@ -83,14 +83,28 @@ def test_strict_mode_stops_the_import_naming_the_file(damaged, tmp_path):
     assert proc.returncode == 1 and "GemmPatchError" in proc.stderr and what in proc.stderr, proc.stderr[-3000:]
 
 
-def test_auto_without_its_start_up_module_is_one_line_not_a_traceback(wheel, tmp_path):
+@pytest.fixture
+def without_startup_module(installed):
+    """The module's venv without its start-up module, and without this environment's packages
+    (the editable install of the source tree has one too); both put back after the test."""
+    python, _ = installed
+    site = _site_packages(python)
+    startup, dependencies = site / "_gemm_patch_startup.py", site / "a_test_dependencies.pth"
+    kept = {path: path.read_bytes() if path.exists() else None for path in (startup, dependencies)}
+    startup.unlink()
+    dependencies.write_text("")
+    yield python
+    for path, content in kept.items():
+        if content is None:
+            path.unlink(missing_ok=True)
+        else:
+            path.write_bytes(content)
+
+
+def test_auto_without_its_start_up_module_is_one_line_not_a_traceback(without_startup_module, tmp_path):
     """0.4.0: site printed a 12-line traceback ("Error processing line 1 of ...pth") in every
     interpreter of the environment."""
-    python = venv_with(wheel, tmp_path / "venv")
-    site = _site_packages(python)
-    (site / "_gemm_patch_startup.py").unlink()
-    # Without this environment's packages: the editable install of the source tree has one too.
-    (site / "a_test_dependencies.pth").write_text("")
+    python = without_startup_module
     proc = run(python, ["-c", "print('ran')"], env_for(GEMM_PATCH_AUTO="1"), tmp_path)
     assert proc.returncode == 0 and proc.stdout.strip() == "ran", proc.stderr
     lines = proc.stderr.strip().splitlines()

@@ -37,16 +37,31 @@ def compare(tmp_path: Path, release: str, *command: str, **variables: str) -> tu
     return proc.returncode, json.loads(proc.stdout)
 
 
+@pytest.fixture(scope="module")
+def stand_in_compare(tmp_path_factory):
+    """compare's result for the stand-in run alone on a release, with the fault given (None: none);
+    each (release, fault) run once for the tests that read it (a run's result is only read)."""
+    done: dict[tuple[str, str | None], tuple[int, dict]] = {}
+
+    def run(release: str, fault: str | None = None) -> tuple[int, dict]:
+        if (release, fault) not in done:
+            folder = tmp_path_factory.mktemp(f"compare-{release}-{fault or 'same'}")
+            variables = {"MEGATRON_PRETRAIN_FAULT": fault} if fault else {}
+            done[release, fault] = compare(folder, release, sys.executable, STAND_IN, **variables)
+        return done[release, fault]
+    return run
+
+
 @pytest.mark.parametrize("release", ["0.14.0", "0.17.1", "0.19.2"])
-def test_each_parameter_judged_and_one_lost_parameter_differs_where_the_global_norm_agrees(tmp_path, release):
-    code, same = compare(tmp_path / "same", release, sys.executable, STAND_IN)
+def test_each_parameter_judged_and_one_lost_parameter_differs_where_the_global_norm_agrees(stand_in_compare, release):
+    code, same = stand_in_compare(release)
     assert code == 0 and same["verdict"] == "same", same["summary"]
     params = same["parameters"]
     assert params["judged"] and params["count"] == 3 and params["differs"] == []
     assert params["worst"]["rel"] < compare_params.BF16_BOUND  # the bf16 rounding of fusion off only
     assert same["runs"]["off"]["env"]["GEMM_PATCH"] == "0" and same["runs"]["off"]["probe"]["ranks"] == [0]
 
-    code, lost = compare(tmp_path / "lost", release, sys.executable, STAND_IN, MEGATRON_PRETRAIN_FAULT="lose_scale")
+    code, lost = stand_in_compare(release, "lose_scale")
     assert code == 1 and lost["verdict"] == "differs", lost["summary"]
     assert lost["summary"].startswith("differs at iteration 1: parameter module.scale: ")
     assert lost["first_difference"]["iteration"] == 1 and lost["first_difference"]["parameter"] == "module.scale"
@@ -54,16 +69,15 @@ def test_each_parameter_judged_and_one_lost_parameter_differs_where_the_global_n
     assert lost["rows"][0]["grad_norm"][0] == lost["rows"][0]["grad_norm"][1]
 
 
-def test_a_defect_from_the_second_step_is_named_at_iteration_2(tmp_path):
+def test_a_defect_from_the_second_step_is_named_at_iteration_2(stand_in_compare):
     """A main grad not zeroed between steps (the first step's gradient of ``scale`` carried into the
     second) shows neither at iteration 1 nor in the global values: the probe's second-step records,
     judged against the perturbed fusion-off run compare makes, name it at iteration 2; the same runs
     without the fault are "same" with iteration 2 judged."""
-    code, same = compare(tmp_path / "same", MEGATRON_RELEASE, sys.executable, STAND_IN)
+    code, same = stand_in_compare(MEGATRON_RELEASE)
     assert code == 0 and same["parameters_step2"]["judged"] and not same["parameters_step2"]["differs"], same["summary"]
     assert same["runs"]["off_repeat1"]["env"][grad_probe.PERTURB_ENV] == repr(2.0 ** -8)
-    code, kept = compare(tmp_path / "kept", MEGATRON_RELEASE, sys.executable, STAND_IN,
-                         MEGATRON_PRETRAIN_FAULT="keep_scale")
+    code, kept = stand_in_compare(MEGATRON_RELEASE, "keep_scale")
     assert code == 1 and kept["summary"].startswith("differs at iteration 2: parameter module.scale: "), kept["summary"]
     assert kept["first_difference"]["iteration"] == 2
 

@@ -11,6 +11,8 @@ the doc is touched. validation/tests/test_evidence_tables.py fails when a table 
   where that run exists, and the pairs' sign test (parse_logs.pairs).
 * ``speed``: gemm-patch against fusion off in every setting of the ``pretrain_gpt.py`` records
   (benchmarks/results/pretrain_gpt_*.jsonl of the list below), as pretrain_gpt_bench's summary computes it.
+* ``shapes``: the Llama 3.2 shapes (benchmarks/results/shapes_*.jsonl), every alternative's tokens per
+  second, TFLOP/s, step and memory, and the bound (pretrain_gpt_bench.shape_table).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import json
 import sys
 from pathlib import Path
 
-from benchmarks.pretrain_gpt_bench import read_records, summary
+from benchmarks.pretrain_gpt_bench import read_records, shape_table, summary
 from validation.convergence.parse_logs import pairs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,6 +34,7 @@ SPEED = [ROOT / "benchmarks" / "results" / name for name in
           "pretrain_gpt_embedding_wgrad_h100.jsonl", "pretrain_gpt_untied_h100.jsonl",
           "pretrain_gpt_0.17.1_h100.jsonl", "pretrain_gpt_0.17.1_untied_h100.jsonl",
           "pretrain_gpt_optim_grads_h100.jsonl")]
+SHAPES = sorted((ROOT / "benchmarks" / "results").glob("shapes_*.jsonl"))
 MODEL = {"convergence": "dense", "seeds": "dense", "moe": "MoE"}
 
 
@@ -79,7 +82,14 @@ def speed_table() -> str:
     return "\n".join(rows) + "\n"
 
 
-TABLES = {"convergence": convergence_table, "speed": speed_table}
+def shapes_table() -> str:
+    records = [r for path in SHAPES for r in read_records(path)]
+    if not records:
+        return "No record of these shapes is committed yet (benchmarks/results/shapes_*.jsonl).\n"
+    return shape_table(records)
+
+
+TABLES = {"convergence": convergence_table, "speed": speed_table, "shapes": shapes_table}
 
 
 def render(doc: str) -> str:

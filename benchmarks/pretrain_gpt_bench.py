@@ -410,13 +410,14 @@ def first_iteration(runs: list[dict[str, Any]], reference: list[dict[str, Any]] 
 
 
 def setting(record: dict[str, Any]) -> str:
-    """What else the process ran under, the GPU among it: runs under different settings are never
-    compared."""
+    """What else the process ran under, the GPU and the run's --note among it: runs under different
+    settings are never compared."""
     gc, cpus, device = (record.get(k) for k in ("manual_gc_interval", "cpus", "device"))
     strategy = record.get("strategy") or STRATEGIES[0]
     return ((DEFAULT_SETTING if gc is None else f"gc every {gc}") + (f", cpus {cpus}" if cpus else "")
             + (f", {strategy}" if strategy != STRATEGIES[0] else "")
-            + (", memory history" if record.get("memory_history") else "") + (f", {device}" if device else ""))
+            + (", memory history" if record.get("memory_history") else "")
+            + (f", {record['note']}" if record.get("note") else "") + (f", {device}" if device else ""))
 
 
 def same_round_ratio(runs: list[dict[str, Any]], reference: list[dict[str, Any]] | None) -> str:

@@ -4,6 +4,7 @@ sets GEMM_PATCH_MATRIX_EXPECT to the state every target must read on it)."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 
@@ -66,6 +67,18 @@ def run_layer(main_dtype, tokens: int = 96, in_features: int = 64, out_features:
     y.backward(grad_out)
     reference = grad_out.double().t() @ x.detach().double()
     return {"y": y.detach(), "dgrad": x.grad, "main_grad": buffer, "reference": reference}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def frozen_imports():
+    """What the imports built (torch, megatron: hundreds of thousands of objects), moved out of the
+    collector's generations before the first test: the tests' full collections, and gemm_patch's
+    search for instances built before apply() (``gc.get_referrers``), then walk only what the
+    tests build: every model is built after this point (no test module builds one at import)."""
+    gc.collect()
+    gc.freeze()
+    yield
+    gc.unfreeze()  # for the interpreter's exit: extension objects (triton's) are finalized as usual
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@ PYTHONPATH and sets GEMM_PATCH_MATRIX_EXPECT to the state every target must read
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 
@@ -29,3 +30,12 @@ EXPECTED = _expected_states()
 
 def expected(target: str) -> str:
     return EXPECTED[target]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def frozen_imports():
+    """As tests/megatron/conftest.py's: the imports' objects out of the collector's way."""
+    gc.collect()
+    gc.freeze()
+    yield
+    gc.unfreeze()

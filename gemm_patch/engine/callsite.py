@@ -65,15 +65,16 @@ _DERIVED: dict[tuple, tuple[tuple, object]] = {}
 _DERIVED_SIZE = 512
 
 
-def _derived(kind: str, nodes: tuple, extra: object, make: Callable[[], object]) -> object:
+def _derived(kind: str, nodes: tuple, extra: object, make: Callable[[], object],
+             cache: dict = _DERIVED, size: int = _DERIVED_SIZE) -> object:
     key = (kind, tuple(map(id, nodes)), extra)
-    entry = _DERIVED.get(key)
+    entry = cache.get(key)
     if entry is not None and all(a is b for a, b in zip(entry[0], nodes, strict=True)):
         return entry[1]
     value = make()
-    if len(_DERIVED) >= _DERIVED_SIZE:
-        _DERIVED.pop(next(iter(_DERIVED)))
-    _DERIVED[key] = (nodes, value)
+    if len(cache) >= size:
+        cache.pop(next(iter(cache)))
+    cache[key] = (nodes, value)
     return value
 
 
@@ -129,6 +130,7 @@ def _source(module: types.ModuleType) -> str:
 _PARSED: dict[str, ast.Module] = {}
 _COMPILED: dict[tuple[str, str], types.CodeType] = {}
 _CACHE_SIZE = 16
+_READ: dict[tuple, tuple[tuple, object]] = {}  # read_module's: it holds whole trees, as _PARSED does
 
 
 def _remember(cache: dict, key, make):
@@ -155,6 +157,14 @@ def _compile(source: str, filename: str) -> types.CodeType:
 def parse_module(module: types.ModuleType) -> ast.Module:
     """The module's source, parsed; CallSiteError where there is no source to read."""
     return _parse(_source(module))
+
+
+def read_module(module: types.ModuleType, kind: str, extra: object, read: Callable[[ast.Module], object]) -> object:
+    """``read(tree)`` of the module's parsed source, remembered per tree (a tree per source text)
+    under ``kind`` and ``extra``: a target that walks a whole module walks it once, and again
+    only where the source changed. What ``read`` returns is shared: it must not be changed."""
+    tree = parse_module(module)
+    return _derived(kind, (tree,), extra, lambda: read(tree), _READ, _CACHE_SIZE)
 
 
 def parse_method(module: types.ModuleType, owner: str, attribute: str) -> ast.FunctionDef | None:

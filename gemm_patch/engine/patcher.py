@@ -502,10 +502,10 @@ def _not_in_place(target: Target) -> str | None:
     return None
 
 
-def _live_status(target: Target, cfg: config.Config | None) -> TargetStatus:
+def _live_status(target: Target, cfg: config.Config | None, versions: dict[str, str | None]) -> TargetStatus:
     """The recorded status, checked against the live module: a patch that is no longer what
     the module uses reads ``replaced``; a pending target whose module cannot exist in what is
-    installed reads ``not applicable``."""
+    installed reads ``not applicable``. ``versions``: the installed versions status() read."""
     st = _state.statuses.get(target.name)
     if st is None:
         why = "GEMM_PATCH=0" if not config.enabled() else "gemm_patch.apply() not called"
@@ -535,17 +535,21 @@ def _live_status(target: Target, cfg: config.Config | None) -> TargetStatus:
     if not waiting or target.module in sys.modules:
         return st
     if module_findable(target.module) is False:
-        version = detection.distribution_version(target.distribution)
+        version = _version_of(target.distribution, versions)
         reason = (f"{target.distribution} {version} has no module {target.module}" if version
                   else f"{target.distribution} is not installed (no {target.module.split('.')[0]} package)")
         return TargetStatus(st.name, st.module, NOT_APPLICABLE, reason, version)
     if st.state == PENDING:
-        version = detection.distribution_version(target.distribution)
+        version = _version_of(target.distribution, versions)
         if _recorded_without(target, version):
             return TargetStatus(st.name, st.module, NOT_APPLICABLE,
                                 f"{target.distribution} {version} is a recorded release with nothing for "
                                 f"{target.name} to patch (judged again on `import {target.module}`)", version)
     return st
+
+
+def _version_of(distribution: str, versions: dict[str, str | None]) -> str | None:
+    return versions[distribution] if distribution in versions else detection.distribution_version(distribution)
 
 
 def _recorded_without(target: Target, version: str | None) -> bool:
@@ -566,7 +570,8 @@ def status() -> Status:
                 cfg = load_config()
             except config.ConfigError as exc:
                 cfg, config_error = config.Config(), str(exc)
-        statuses = [_live_status(t, cfg) for t in _targets]
+        versions = detection.installed_versions()  # read once: each lookup walks sys.path
+        statuses = [_live_status(t, cfg, versions) for t in _targets]
         backends: dict = {}
         applied = _state.cfg is not None  # a bad value apply() read since leaves the earlier patch in force
         if "torch" in sys.modules and (config_error is None or applied):  # never pull torch in just for this
@@ -576,7 +581,7 @@ def status() -> Status:
             fields.update(target.status_fields(st))
         meanings = {state: meaning for t in _targets for state, meaning in t.extra_states.items()}
         return Status(_version, applied, (cfg or config.Config()).strict,
-                      (cfg or config.Config()).backend, config_error, detection.installed_versions(), statuses,
+                      (cfg or config.Config()).backend, config_error, versions, statuses,
                       backends, fields, None if enabled else DISABLED_REASON,
                       {t.name: t.distribution for t in _targets}, meanings, release_data.problem())
 

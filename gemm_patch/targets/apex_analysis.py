@@ -10,24 +10,23 @@ from __future__ import annotations
 
 import ast
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from ..engine.callsite import fingerprint, parse_module
+from ..engine.callsite import fingerprint, read_module
 
 
-@dataclass
+@dataclass(frozen=True)
 class ApexUsage:
     guarded_import: ast.Try | None = None
     flag_default: ast.Assign | None = None
-    checks: list[ast.expr] = field(default_factory=list)
-    calls: list[ast.Call] = field(default_factory=list)
+    checks: tuple[ast.expr, ...] = ()
+    calls: tuple[ast.Call, ...] = ()
+    # Whether the module names the extension at all (an import, a name, an attribute base).
+    mentions: bool = False
 
     @property
     def call_names(self) -> list[str]:
         return sorted({c.func.attr for c in self.calls})  # type: ignore[attr-defined]
-
-    # Whether the module names the extension at all (an import, a name, an attribute base).
-    mentions: bool = False
 
     @property
     def fingerprint(self) -> str | None:
@@ -61,18 +60,22 @@ def _guard(tree: ast.Module, extension: str, flag: str) -> tuple[ast.Assign | No
 
 
 def find_apex_usage(module: types.ModuleType, extension: str, flag: str, calls: tuple[str, ...]) -> ApexUsage:
-    tree = parse_module(module)
-    usage = ApexUsage()
-    usage.flag_default, usage.guarded_import = _guard(tree, extension, flag)
+    return read_module(module, "apex_usage", (extension, flag, calls),
+                       lambda tree: _find_apex_usage(tree, extension, flag, calls))
+
+
+def _find_apex_usage(tree: ast.Module, extension: str, flag: str, calls: tuple[str, ...]) -> ApexUsage:
+    flag_default, guarded_import = _guard(tree, extension, flag)
+    checks, found, mentions = [], [], False
     for node in ast.walk(tree):
         if isinstance(node, ast.If) and any(isinstance(n, ast.Name) and n.id == flag
                                             for n in ast.walk(node.test)):
-            usage.checks.append(node.test)
+            checks.append(node.test)
         elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
               and isinstance(node.func.value, ast.Name) and node.func.value.id == extension
               and node.func.attr in calls):
-            usage.calls.append(node)
+            found.append(node)
         if (isinstance(node, ast.alias) and extension in node.name.split(".")) or \
                 (isinstance(node, ast.Name) and node.id == extension):
-            usage.mentions = True
-    return usage
+            mentions = True
+    return ApexUsage(guarded_import, flag_default, tuple(checks), tuple(found), mentions)

@@ -17,7 +17,7 @@ import ast
 import types
 from dataclasses import dataclass
 
-from ..engine.callsite import fingerprint, parse_module
+from ..engine.callsite import fingerprint, read_module
 from ..engine.config import Config
 from ..engine.target import DEFAULTS, Inspection, Target, Undo
 
@@ -32,23 +32,28 @@ def writes_main_grad(call: ast.Call) -> bool:
         k.arg == "out" and "main_grad" in ast.unparse(k.value) for k in call.keywords)
 
 
+def _writers(tree: ast.Module) -> tuple[tuple[str, ast.AST], ...]:
+    """(qualified name, outermost function) of each fused write into ``main_grad`` in the module."""
+    where: list[tuple[str, ast.AST]] = []
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef):
+                visit(child, f"{prefix}{child.name}.")
+            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if any(isinstance(c, ast.Call) and writes_main_grad(c) for c in ast.walk(child)):
+                    where.append((prefix + child.name, child))
+
+    visit(tree, "")
+    return tuple(where)
+
+
 @dataclass(frozen=True, kw_only=True, eq=False)
 class WriterWatch(Target):
     """Reports fused writes into ``main_grad`` in its module; installs nothing."""
 
     def inspect(self, module: types.ModuleType, cfg: Config = DEFAULTS) -> Inspection:
-        tree = parse_module(module)
-        where: list[tuple[str, ast.AST]] = []  # (qualified name, outermost function) of each write
-
-        def visit(node: ast.AST, prefix: str) -> None:
-            for child in ast.iter_child_nodes(node):
-                if isinstance(child, ast.ClassDef):
-                    visit(child, f"{prefix}{child.name}.")
-                elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                    if any(isinstance(c, ast.Call) and writes_main_grad(c) for c in ast.walk(child)):
-                        where.append((prefix + child.name, child))
-
-        visit(tree, "")
+        where = read_module(module, "main_grad_writers", None, _writers)
         if not where:
             return Inspection(None, False, f"no fused write into main_grad in {module.__name__}")
         names = ", ".join(name for name, _ in where)

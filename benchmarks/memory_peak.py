@@ -128,7 +128,46 @@ def analyse(snapshot: dict[str, Any], device: int = 0, top: int = 12) -> dict[st
                   for name, (size, count) in ranked[:top]],
         "alive_other_mib": round(sum(size for _, (size, _) in ranked[top:]) / MIB, 2),
         "gemm_patch_mib": round(sum(size for size, frames in blocks if by_gemm_patch(frames)) / MIB, 2),
+        "gemm_patch_sites": _gemm_patch_sites(blocks),
     }
+
+
+def _gemm_patch_sites(blocks: list[tuple[int, list[dict[str, Any]] | None]]) -> dict[str, float]:
+    """MiB alive per innermost gemm_patch frame, for the blocks allocated under gemm_patch's frames."""
+    sites: dict[str, float] = {}
+    for size, frames in blocks:
+        inner = next((f for f in frames or () if "/gemm_patch/" in f.get("filename", "")), None)
+        if inner is not None:
+            name = site([inner])
+            sites[name] = round(sites.get(name, 0.0) + size / MIB, 2)
+    return sites
+
+
+def peak_table(records: list[dict[str, Any]], top: int = 3) -> str:
+    """Markdown: per run recorded with the allocator's history, the step's peak, the allocation it
+    fell at, the largest sites alive there and what of it was allocated under gemm_patch's frames."""
+    def short(name: str) -> str:  # file:line function, without the package path
+        return name.rsplit("/", 1)[-1]
+
+    rows = ["| model, megatron-core, embeddings | configuration | GPU | peak GiB "
+            "| the peak's allocation (and its caller in the model) | largest alive there (MiB) "
+            "| under gemm_patch's frames (MiB) |",
+            "|---|---|---|---|---|---|---|"]
+    for r in records:
+        peak = r.get("memory_peak")
+        if r.get("rc") != 0 or not peak or not peak.get("peak_event"):
+            continue
+        stack = peak["peak_event"]["stack"]
+        model = next((s for s in stack if "/models/" in s), None)
+        where = short(peak["peak_event"]["site"]) + (f" (in {short(model)})" if model and model != stack[0] else "")
+        alive = "; ".join(f"{short(a['site'])} {a['mib']:,.0f}" for a in peak["alive"][:top])
+        mine = f"{peak['gemm_patch_mib']:,.0f}"
+        if peak.get("gemm_patch_sites"):
+            mine += " (" + "; ".join(f"{short(k)} {v:,.0f}" for k, v in peak["gemm_patch_sites"].items()) + ")"
+        model_name = r.get("size") or f"hidden {r['hidden']}"
+        rows.append(f"| {model_name}, {r['release']}, {'tied' if r['tied'] else 'untied'} | {r['config']} | "
+                    f"{r.get('device') or '-'} | {peak['peak_gib']:.2f} | {where} | {alive} | {mine} |")
+    return "\n".join(rows) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -107,7 +107,7 @@ def tokens_chart(sources: list[str], dst: str) -> int:
     panels = shapes(records)
     if not panels:
         raise SystemExit(f"{', '.join(sources)}: no finished record of a named shape to plot")
-    fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels) + 1, 4.5), squeeze=False,
+    fig, axes = plt.subplots(1, len(panels), figsize=(max(7.0, 3.6 * len(panels) + 1), 4.5), squeeze=False,
                              constrained_layout=True)
     order = list(LABELS)
     for ax, ((shape, release, tied, device), configs) in zip(axes[0], panels.items(), strict=True):
@@ -122,7 +122,7 @@ def tokens_chart(sources: list[str], dst: str) -> int:
                       rotation=20)
         ax.set_ylabel("tokens per second per GPU (median of rounds)")
         ax.set_title(f"{shape}, {'tied' if tied else 'untied'}, megatron-core {release}\n{device}", fontsize=9)
-    fig.suptitle("Megatron-LM pretrain_gpt.py, Megatron-FSDP, fp32 main grads (bf16 grads: bf16), one GPU; "
+    fig.suptitle("Megatron-LM pretrain_gpt.py, Megatron-FSDP, one GPU\nfp32 main grads (bf16 grads: bf16); "
                  "dots: rounds", fontsize=10)
     fig.savefig(dst, dpi=100)
     return 0

@@ -34,14 +34,16 @@ Those are sums of durations, which the host's drift does not move (``--keep-trac
 
 Configurations (``config`` in the records): ``fusion_off`` (``--no-gradient-accumulation-fusion``,
 ``GEMM_PATCH=0``: megatron alone), ``patched`` (fusion on under ``gemm-patch run``), ``bf16_grads``
-(the same with ``--megatron-fsdp-main-grads-dtype bf16``), ``no_<switch>`` (patched with one fix
+(the same with ``--megatron-fsdp-main-grads-dtype bf16``), ``bf16_upstream`` (bf16 main grads fused,
+megatron alone: needs apex's wgrad kernel), ``no_<switch>`` (patched with one fix
 off: ``GEMM_PATCH_SHARED_GRAD=0``, ``GEMM_PATCH_TE_OVERWRITE=0``, ``GEMM_PATCH_FSDP_DUMMY_GRAD=0``,
 ``GEMM_PATCH_TE_DUMMY_WGRAD=0``, ``GEMM_PATCH_EMBEDDING_WGRAD=0``), ``fixes_off`` (patched with every
 correctness fix off: shared grad, TE overwrite, one-rank scale); tied (pretrain_gpt's default) or untied
 (``--untie-embeddings-and-output-weights``).
 
 ``--plan``: comma-separated cells ``RELEASE:tied|untied:CONFIG`` (``*`` for any) or named sets
-(PLANS: ``core``, ``untied``, ``fixes``, ``release-0.17.1``, ``full``). Each round runs every cell
+(PLANS: ``core``, ``untied``, ``fixes``, ``release-0.17.1``, ``full``, ``alternatives``,
+``alternatives-untied``, ``alternatives-0.17.1``). Each round runs every cell
 once, the order turned by one each round (so no cell always runs first on a cold GPU). Every
 finished process appends one JSON record to ``--out`` at once (entry, release, size, hidden, vocab,
 tied, config, round, step_ms: the median of megatron's logged per-iteration times after the
@@ -83,11 +85,11 @@ SIZES: dict[str, dict[str, int]] = {
                    "vocab": 384, "iters": 100},
     # Llama 3.2's shapes at full depth (GQA, SwiGLU, RMSNorm, RoPE base 500000, no biases, no dropout).
     "llama3.2-1b": {"layers": 16, "hidden": 2048, "ffn": 8192, "heads": 32, "query_groups": 8, "seq": 8192,
-                    "mbs": 1, "gbs": 4, "vocab": 128256, "iters": 10},
+                    "mbs": 1, "gbs": 4, "vocab": 128256, "iters": 20},
     # Its weights, fp32 main grads and Adam states (18 bytes a parameter) and its activations do not
     # fit an 80 GB card together: full activation recompute, one layer a block, as a user would run it.
     "llama3.2-3b": {"layers": 28, "hidden": 3072, "ffn": 8192, "heads": 24, "query_groups": 8, "seq": 4096,
-                    "mbs": 1, "gbs": 4, "vocab": 128256, "iters": 10, "recompute_layers": 1},
+                    "mbs": 1, "gbs": 4, "vocab": 128256, "iters": 20, "recompute_layers": 1},
 }
 LLAMA_ARGS = ["--position-embedding-type", "rope", "--rotary-base", "500000", "--rotary-percent", "1.0",
               "--swiglu", "--normalization", "RMSNorm", "--norm-epsilon", "1e-5", "--disable-bias-linear",
@@ -99,7 +101,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "fusion_off": {"env": {"GEMM_PATCH": "0"}, "args": ["--no-gradient-accumulation-fusion"]},
     "patched": {"env": {}, "args": []},
     "bf16_grads": {"env": {}, "args": ["--megatron-fsdp-main-grads-dtype", "bf16"]},
-    # Upstream's own fast path, what a user who gives up fp32 gradients runs: megatron alone.
+    # Upstream's own fast path, what a user who gives up fp32 gradients runs: megatron alone. Its
+    # ColumnParallelLinear refuses fusion without apex's fused_weight_gradient_mlp_cuda, so it runs
+    # only where apex is installed; elsewhere bf16_grads is that user's fused path.
     "bf16_upstream": {"env": {"GEMM_PATCH": "0"}, "args": ["--megatron-fsdp-main-grads-dtype", "bf16"]},
     **{config: {"env": {var: "0"}, "args": []} for config, var in SWITCHES.items()},
     # Fusion on under gemm-patch with every correctness fix off (wrong on a tied weight and on
@@ -118,9 +122,10 @@ PLANS = {
                                                    "no_te_overwrite", "no_embedding_wgrad")],
     "release-0.17.1": [f"0.17.1:{t}:{c}" for t in ("tied", "untied") for c in ("fusion_off", "patched")],
 }
-# Every alternative a user has (fusion off, gemm-patch, upstream's bf16 main grads, every fix off),
-# per release and embeddings: "alternatives" (0.19.2 tied), "alternatives-untied", "alternatives-0.17.1".
-ALTERNATIVES = ("fusion_off", "patched", "bf16_upstream", "fixes_off")
+# Every alternative a user has (fusion off, gemm-patch, bf16 main grads fused, every fix off), per
+# release and embeddings: "alternatives" (0.19.2 tied), "alternatives-untied", "alternatives-0.17.1".
+# The GPU kit has no apex, so bf16 main grads run fused through gemm-patch's stand-in for its kernel.
+ALTERNATIVES = ("fusion_off", "patched", "bf16_grads", "fixes_off")
 PLANS["alternatives"] = [f"0.19.2:tied:{c}" for c in ALTERNATIVES]
 PLANS["alternatives-untied"] = [f"0.19.2:untied:{c}" for c in ALTERNATIVES]
 PLANS["alternatives-0.17.1"] = [f"0.17.1:tied:{c}" for c in ALTERNATIVES]
@@ -505,8 +510,9 @@ def shape_table(records: list[dict[str, Any]]) -> str:
     beside the bound (fusion_saved_bytes over the GPU's bandwidth)."""
     groups: dict[tuple, dict[str, list[dict[str, Any]]]] = {}
     for r in records:
+        # A run recording the allocator's history is slowed by it: memory_peak.peak_table reads it.
         if (r["rc"] == 0 and r["step_ms"] is not None and r.get("tokens_per_s") and r.get("size") in SIZES
-                and not r["size"].startswith("hidden")):
+                and not r["size"].startswith("hidden") and not r.get("memory_history")):
             key = (r["size"], r["release"], r["tied"], setting(r))
             groups.setdefault(key, {}).setdefault(r["config"], []).append(r)
     rows = ["| shape, megatron-core, embeddings | setting | configuration | rounds | tokens/s per GPU "

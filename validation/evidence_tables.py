@@ -13,6 +13,8 @@ the doc is touched. validation/tests/test_evidence_tables.py fails when a table 
   (benchmarks/results/pretrain_gpt_*.jsonl of the list below), as pretrain_gpt_bench's summary computes it.
 * ``shapes``: the Llama 3.2 shapes (benchmarks/results/shapes_*.jsonl), every alternative's tokens per
   second, TFLOP/s, step and memory, and the bound (pretrain_gpt_bench.shape_table).
+* ``memory-peak``: the runs of those records made with the allocator's history, where the step's
+  peak falls and what is alive there (memory_peak.peak_table).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import json
 import sys
 from pathlib import Path
 
+from benchmarks.memory_peak import peak_table
 from benchmarks.pretrain_gpt_bench import read_records, shape_table, summary
 from validation.convergence.parse_logs import pairs
 
@@ -33,7 +36,8 @@ SPEED = [ROOT / "benchmarks" / "results" / name for name in
          ("pretrain_gpt_h200.jsonl", "pretrain_gpt_pinned_h200.jsonl", "pretrain_gpt_hidden2048_h200.jsonl",
           "pretrain_gpt_embedding_wgrad_h100.jsonl", "pretrain_gpt_untied_h100.jsonl",
           "pretrain_gpt_0.17.1_h100.jsonl", "pretrain_gpt_0.17.1_untied_h100.jsonl",
-          "pretrain_gpt_optim_grads_h100.jsonl", "pretrain_gpt_lookup_writer_h100.jsonl")]
+          "pretrain_gpt_optim_grads_h100.jsonl", "pretrain_gpt_lookup_writer_h100.jsonl",
+          "pretrain_gpt_lookup_writer_h200.jsonl")]
 SHAPES = sorted((ROOT / "benchmarks" / "results").glob("shapes_*.jsonl"))
 MODEL = {"convergence": "dense", "seeds": "dense", "moe": "MoE"}
 
@@ -89,7 +93,15 @@ def shapes_table() -> str:
     return shape_table(records)
 
 
-TABLES = {"convergence": convergence_table, "speed": speed_table, "shapes": shapes_table}
+def memory_peak_table() -> str:
+    records = [r for path in SHAPES for r in read_records(path) if r.get("memory_history")]
+    if not records:
+        return "No run with the allocator's history is committed yet (benchmarks/results/shapes_*.jsonl).\n"
+    return peak_table(records, top=6)
+
+
+TABLES = {"convergence": convergence_table, "speed": speed_table, "shapes": shapes_table,
+          "memory-peak": memory_peak_table}
 
 
 def render(doc: str) -> str:

@@ -53,6 +53,26 @@ def test_the_peak_and_what_is_alive_there(tmp_path):
                      "megatron/core/distributed/fsdp/param_and_grad_buffer.py:10 allocate": 100,
                      memory_peak.UNKNOWN: 50, "gemm_patch/targets/embedding_wgrad.py:99 write_rows": 30}
     assert got["gemm_patch_mib"] == 30
+    assert got["gemm_patch_sites"] == {"gemm_patch/targets/embedding_wgrad.py:99 write_rows": 30}
+
+
+def test_the_peak_table_names_the_peak_and_gemm_patch_share(tmp_path):
+    path = tmp_path / "snapshot.pickle"
+    path.write_bytes(pickle.dumps(snapshot()))
+    peak = memory_peak.analyse(memory_peak.load(path))
+    run = {"size": "llama3.2-1b", "release": "0.19.2", "tied": True, "device": "NVIDIA H200", "rc": 0}
+    quiet = {**peak, "gemm_patch_mib": 0.0, "gemm_patch_sites": {}}
+    records = [{**run, "config": "patched", "memory_peak": peak},
+               {**run, "config": "fusion_off", "memory_peak": quiet},
+               {**run, "config": "fusion_off", "rc": 1, "memory_peak": None}]
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in memory_peak.peak_table(records).splitlines()[2:]]
+    assert [r[1] for r in rows] == ["patched", "fusion_off"]  # the failed run has no row
+    patched, off = rows
+    assert patched[:4] == ["llama3.2-1b, 0.19.2, tied", "patched", "NVIDIA H200", f"{380 / 1024:.2f}"]
+    assert patched[4] == "cross_entropy.py:51 forward"
+    assert patched[5] == "cross_entropy.py:51 forward 200; param_and_grad_buffer.py:10 allocate 100; " + \
+        f"{memory_peak.UNKNOWN} 50"
+    assert patched[6] == "30 (embedding_wgrad.py:99 write_rows 30)" and off[6] == "0"
 
 
 def test_a_snapshot_without_history_says_so():

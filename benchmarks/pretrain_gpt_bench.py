@@ -7,6 +7,8 @@ gemm-patch's fixes switched off alone, bf16 main grads; one process at a time on
         [--size hidden4096|hidden2048] [--iters N] [--manual-gc N] [--cpus LIST] [--profile START:END]
         [--upstream DIR] [--kit /tmp/gp] [--dry]
     python -m benchmarks.pretrain_gpt_bench --summary OUT/pretrain_gpt.jsonl     # the table, from records
+    python -m benchmarks.pretrain_gpt_bench --out OUT/pretrain_gpt.jsonl --plan core --rounds 3 --resume
+        # again after a cut-off call: runs only what OUT has no finished record of on this GPU
     python -m benchmarks.pretrain_gpt_bench --compare --out OUT/x --plan core --iters 10 [--kit /tmp/gp]
         # gemm-patch compare on pretrain_gpt.py per (release, tied) of the plan
 
@@ -558,6 +560,17 @@ def read_records(path: Path) -> list[dict[str, Any]]:
     return records
 
 
+def recorded_runs(records: list[dict[str, Any]], a: argparse.Namespace, iters: int,
+                  device: str | None) -> set[tuple[int, tuple[str, bool, str]]]:
+    """(round, cell) of the finished records made as this run would make them: on this GPU (on any,
+    for --dry, which asks no GPU), with the same shape, strategy, iterations, memory history and note."""
+    return {(r["round"], (r["release"], r["tied"], r["config"])) for r in records
+            if r["rc"] == 0 and r["step_ms"] is not None and r.get("size") == a.size
+            and r.get("strategy", STRATEGIES[0]) == a.strategy and r.get("iterations") == iters
+            and bool(r.get("memory_history")) == a.memory_history and r.get("note") == a.note
+            and (a.dry or r.get("device") == device)}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, help="JSONL file the records are appended to")
@@ -591,6 +604,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--proc-limit", type=float, default=150.0, help="seconds per process")
     p.add_argument("--deadline", type=float, default=540.0, help="no process starts after this many seconds")
     p.add_argument("--note", help="a line every record of this run carries (e.g. the gemm_patch commit measured)")
+    p.add_argument("--resume", action="store_true",
+                   help="skip each (round, cell) --out already holds a finished record of, made on this GPU with the "
+                        "same shape, strategy, iterations, memory history and --note: the same command run again "
+                        "after a cut-off call finishes the plan")
     p.add_argument("--dry", action="store_true", help="print the commands, run nothing")
     p.add_argument("--summary", type=Path, metavar="JSONL", help="print the table of these records and exit")
     p.add_argument("--compare", action="store_true",
@@ -618,6 +635,7 @@ def main(argv: list[str] | None = None) -> int:
         return compare_runs(a, size, iters, logs)
     t0, done = time.monotonic(), []
     device = None if a.dry else gpu_name()
+    recorded = recorded_runs(read_records(a.out), a, iters, device) if a.resume and a.out else set()
     for rnd, cell in runs:
         release, tied, config = cell
         strategy = "" if a.strategy == STRATEGIES[0] else f"_{a.strategy}"
@@ -626,6 +644,9 @@ def main(argv: list[str] | None = None) -> int:
         command, config_env, cwd = process(cell, size, iters, a, profile_dir)
         shown = " ".join([f"cd {shlex.quote(str(cwd))} &&", *(f"{k}={v}" for k, v in config_env.items()),
                           shlex.join(command)])
+        if (rnd, cell) in recorded:
+            print(f"== {name}: recorded in {a.out} already, skipped (--resume)", flush=True)
+            continue
         if a.dry:
             print(f"# {name}\n{shown}")
             continue

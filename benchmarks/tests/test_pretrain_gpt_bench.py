@@ -125,6 +125,22 @@ def test_each_process_appends_its_record(upstream, monkeypatch, capsys):
                          "1.294", "1.643", "+0.979", "+0.979"]
 
 
+def test_resume_runs_only_what_this_gpu_has_not_finished(upstream, capsys):
+    code, records = run_bench(upstream, "core")
+    assert code == 0 and [r["config"] for r in records] == ["fusion_off", "patched"]
+    out = upstream / "records.jsonl"
+    failed = {**records[1], "rc": 1, "step_ms": None}
+    elsewhere = {**records[0], "config": "fixes_off", "device": "NVIDIA H200"}  # another GPU's record
+    out.write_text("".join(json.dumps(r) + "\n" for r in (records[0], failed, elsewhere)))
+    capsys.readouterr()
+    code, records = run_bench(upstream, "core,0.19.2:tied:fixes_off", "--resume")
+    assert code == 0
+    assert [(r["config"], r["rc"]) for r in records[3:]] == [("patched", 0), ("fixes_off", 0)]
+    assert "fusion_off_r1: recorded in" in capsys.readouterr().out
+    code, records = run_bench(upstream, "core,0.19.2:tied:fixes_off", "--resume", "--note", "another build")
+    assert code == 0 and len(records) == 8  # records of another note are not this run's
+
+
 def test_a_failed_process_is_recorded_with_its_error(upstream, monkeypatch, capsys):
     monkeypatch.setenv("FAKE_PRETRAIN", "crash_fused")
     code, (rec,) = run_bench(upstream, "0.19.2:tied:patched")

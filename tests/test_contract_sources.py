@@ -95,17 +95,24 @@ def nemo_release(version: str, monkeypatch) -> Iterator[tuple]:
         yield NEMO, VERIFIED
 
 
-both = pytest.mark.parametrize("loaded", [
+# Module-scoped, so that pytest runs each release's checks one after the other: gemm_patch parses
+# a release's files once for all of them (its cache of parsed sources holds a few releases).
+both = pytest.mark.parametrize("release", [
     *[pytest.param((te_release, v), id=f"{TE.name}-{v}") for v in releases(TE)],
     *[pytest.param((nemo_release, v), id=f"{NEMO.name}-{v}") for v in releases(NEMO)],
-], indirect=True)
+], indirect=True, scope="module")
+
+
+@pytest.fixture(scope="module")
+def release(request):
+    return request.param
 
 
 @pytest.fixture
-def loaded(request, monkeypatch):
+def loaded(release, monkeypatch):
     """(target, expected state), with the release's module in sys.modules."""
-    release, version = request.param
-    with release(version, monkeypatch) as found:
+    build, version = release
+    with build(version, monkeypatch) as found:
         yield found
 
 

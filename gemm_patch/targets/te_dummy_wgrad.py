@@ -27,7 +27,7 @@ import types
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine.callsite import CallSiteError, canonical_dump, check_live_function_is_source, fingerprint, parse_module
+from ..engine.callsite import CallSiteError, canonical_dump, check_live_function_is_source, fingerprint, read_module
 from ..engine.config import Config
 from ..engine.target import DEFAULTS, Inspection, Target, Undo
 
@@ -52,10 +52,10 @@ def per_call_dummy(cached: Any) -> Any:
     return get_dummy_wgrad
 
 
-def _calls(tree: ast.Module) -> list[ast.stmt]:
+def _calls(tree: ast.Module) -> tuple[ast.stmt, ...]:
     """Every assignment whose value is a call of ``get_dummy_wgrad`` (by name)."""
-    return [node for node in ast.walk(tree) if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
-            and isinstance(node.value.func, ast.Name) and node.value.func.id == NAME]
+    return tuple(node for node in ast.walk(tree) if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+                 and isinstance(node.value.func, ast.Name) and node.value.func.id == NAME)
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -68,7 +68,7 @@ class DummyWgradTarget(Target):
         funcdef = check_live_function_is_source(base, NAME)
         found, calls = [], []
         for caller in filter(None, callers):
-            statements = _calls(parse_module(caller))
+            statements = read_module(caller, "dummy_wgrad_calls", None, _calls)
             if not statements:
                 continue
             if vars(caller).get(NAME) is not vars(base)[NAME]:

@@ -28,8 +28,9 @@ runs them all here, as does a machine with no such Python.
 
 Whole folder or quick: releases whose recorded fingerprints are identical for every target
 (0.15.0-0.15.3, say) form a group; the newest of each group (in any interpreter) runs the whole
-test folder, the others every test but those that start a Python process (compat/matrix_quick.py
-says why). ``--full`` / ``GEMM_PATCH_MATRIX_FULL=1`` runs the whole folder everywhere.
+test folder, the others every test but those that start a Python process, and of a sweep (a test
+repeating one check over layouts) the first layout of each check (compat/matrix_quick.py says
+why). ``--full`` / ``GEMM_PATCH_MATRIX_FULL=1`` runs the whole folder everywhere.
 
 Every run writes compat/.cache/matrix-report.md (untracked); only ``--report`` writes the
 tracked compat/COMPATIBILITY.md.
@@ -46,7 +47,6 @@ import json
 import os
 import platform
 import queue
-import re
 import shutil
 import subprocess
 import sys
@@ -59,7 +59,7 @@ from importlib import metadata
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from matrix_quick import COMMON_ELSEWHERE  # noqa: E402  (the matrix's pytest plugin)
+from matrix_quick import COMMON_ELSEWHERE, left_elsewhere  # noqa: E402  (the matrix's pytest plugin)
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / "compat" / ".cache"
@@ -359,7 +359,7 @@ class ReleaseResult:
     install_seconds: float = 0.0
     failures: list[str] = field(default_factory=list)
     full_on: Release | None = None  # quick run: the release of its group that runs every test
-    deselected: int = 0
+    left: tuple[int, int] = (0, 0)  # (process tests, layouts of sweeps) this run left to another release
 
     @property
     def ok(self) -> bool:
@@ -380,7 +380,9 @@ class ReleaseResult:
     def scope(self) -> str:
         if self.full_on is None:
             return ""
-        return f", {self.deselected} process tests left to {self.full_on.version} (same code)"
+        processes, layouts = self.left
+        return (f", {processes} process tests and {layouts} layouts of sweeps left to {self.full_on.version} "
+                "(same code)")
 
 
 def run_release(release: Release | str, interpreter: Interpreter | None = None,
@@ -412,8 +414,7 @@ def run_release(release: Release | str, interpreter: Interpreter | None = None,
             env=test_env, cwd=ROOT, capture_output=True, text=True, timeout=CHILD_TIMEOUT)
         output = proc.stdout[-2000:] + proc.stderr[-2000:]
         returncode = proc.returncode
-        deselected = re.search(r"(\d+) deselected", proc.stdout)
-        result.deselected = int(deselected.group(1)) if deselected else 0
+        result.left = left_elsewhere(proc.stdout)
     except subprocess.TimeoutExpired:
         output, returncode = f"tests ran past {CHILD_TIMEOUT}s", -1
     if junit.exists():
@@ -570,7 +571,8 @@ def render_report(results: Sequence[ReleaseResult], wall: float | None = None) -
         "its own all_gather_and_wait_parameters_ready through the mfsdp-te-overwrite wrapper, revert by "
         "identity, the switch, the summary line",
         "- process tests: a release whose recorded fingerprints equal those of a newer release of the "
-        "matrix runs every test but those that start a Python process; that newer "
+        "matrix runs every test but those that start a Python process, and of each sweep (a test marked "
+        "sweep: one check over layouts) the first layout of each check; that newer "
         "release runs them. A whole-folder release leaves a fix's process tests to a newer one with the "
         "same code for that fix, and the common ones (marked common_machinery) to the newest",
         "",

@@ -90,7 +90,7 @@ def test_the_markers_are_registered():
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     ini = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
     registered = {line.split(":")[0].split("(")[0] for line in ini["markers"]}
-    assert {matrix_quick.PROVES, matrix_quick.COMMON_MACHINERY} <= registered
+    assert {matrix_quick.PROVES, matrix_quick.COMMON_MACHINERY, matrix_quick.SWEEP} <= registered
 
 
 def test_the_docs_name_every_target_and_its_switch():

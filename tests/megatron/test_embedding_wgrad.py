@@ -26,6 +26,7 @@ from test_shared_weights import (
     BUFFERS,
     CASES,
     HIDDEN,
+    LAYOUTS,
     PATCHED,
     TOL,
     VOCAB,
@@ -46,7 +47,7 @@ from gemm_patch.upstream import fsdp_rules
 # The harness's fixtures: the release's MegatronFSDP (patched), megatron's model-parallel state.
 fsdp, shared_on, parallel = harness.fsdp, harness.shared_on, harness.parallel
 
-pytestmark = pytest.mark.proves("fsdp-embedding-wgrad", "fsdp-shared-grad", "mfsdp-shared-grad")
+pytestmark = [pytest.mark.proves("fsdp-embedding-wgrad", "fsdp-shared-grad", "mfsdp-shared-grad"), LAYOUTS]
 
 needs_lookup = pytest.mark.skipif(expected_state(embedding_wgrad.TARGET) not in PATCHED,
                                   reason="fsdp-embedding-wgrad does not know this release's embedding")

@@ -23,6 +23,7 @@ from conftest import torch
 from test_shared_weights import (  # noqa: F401  (fixtures: parallel, shared_on, cpu_dummy_wgrad)
     BUFFERS,
     CASES,
+    LAYOUTS,
     MODULES,
     TESTED,
     TOL,
@@ -34,7 +35,7 @@ from test_shared_weights import (  # noqa: F401  (fixtures: parallel, shared_on,
     train,
 )
 
-pytestmark = pytest.mark.proves("fsdp-wgrad", "fsdp-shared-grad", "mfsdp-shared-grad")
+pytestmark = [pytest.mark.proves("fsdp-wgrad", "fsdp-shared-grad", "mfsdp-shared-grad"), LAYOUTS]
 
 MICRO_BATCHES = 3
 

@@ -39,7 +39,11 @@ from gemm_patch.engine.callsite import fingerprint, parse_method
 from gemm_patch.targets import shared_grad
 from gemm_patch.upstream import fsdp_rules
 
-pytestmark = pytest.mark.proves("fsdp-wgrad", "fsdp-shared-grad", "mfsdp-shared-grad")
+# The layouts a test here repeats its check over (the model's ties, the buffer, the buckets): the
+# matrix's quick releases, whose recorded code equals a whole-folder release's, run the first of
+# each (compat/matrix_quick.py); the tests of test_embedding_wgrad.py and others take it too.
+LAYOUTS = pytest.mark.sweep("tied", "mtp", "distributed", "buckets")
+pytestmark = [pytest.mark.proves("fsdp-wgrad", "fsdp-shared-grad", "mfsdp-shared-grad"), LAYOUTS]
 
 ATTR = "_register_fsdp_hooks"
 TOL = 1e-2  # bf16 activations and embedding gradient: <= 3e-3 seen; a lost use is > 0.2 (asserted below)

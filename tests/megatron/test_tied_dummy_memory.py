@@ -39,7 +39,7 @@ from test_shared_weights import (  # noqa: F401  (fixtures: fsdp, parallel, shar
 
 from gemm_patch.targets import fsdp_wgrad
 
-pytestmark = [pytest.mark.proves("fsdp-wgrad", "fsdp-shared-grad", "mfsdp-shared-grad"),
+pytestmark = [pytest.mark.proves("fsdp-wgrad", "fsdp-shared-grad", "mfsdp-shared-grad"), tied_lm.LAYOUTS,
               pytest.mark.skipif(not APPLICABLE, reason="release has no such call site"), needs_code]
 
 TE_VERSION = "2.20.2"

@@ -11,8 +11,9 @@ Each release is installed once with ``pip install --no-deps --target compat/.cac
 follows from the target's fingerprint table (``Target.expected_state``), for every target of
 ``gemm_patch.targets.REGISTRY`` whose ``distribution`` is the release's component. A child
 interpreter runs the component's tests against the release (expectations in
-``GEMM_PATCH_MATRIX_EXPECT``, JSON ``{target: state}``), then a fresh one imports gemm_patch and
-the targets' modules and reports ``gemm_patch.status()``. The release is the only megatron a
+``GEMM_PATCH_MATRIX_EXPECT``, JSON ``{target: state}``); before its first test, that child imports
+gemm_patch and the targets' modules as a fresh process does and reports ``gemm_patch.status()``
+(compat/matrix_states.py). The release is the only megatron a
 child sees: compat/isolate, first on its PYTHONPATH, hides a megatron-core or megatron-fsdp
 installed in the interpreter's own site-packages (``release_env``).
 
@@ -324,27 +325,6 @@ def holds_megatron(entry: str) -> bool:
                for name in ("megatron", "megatron_core", "megatron_fsdp"))
 
 
-# Run in the child after the tests: a fresh process imports gemm_patch, then each target's
-# module, and prints the release's version and every target's state.
-_PROBE = """
-import importlib, json, sys
-import gemm_patch
-from gemm_patch.engine import detection
-from gemm_patch.targets import REGISTRY
-component, names = sys.argv[1], sys.argv[2].split(",")
-for target in REGISTRY:
-    if target.name in names:
-        try:
-            importlib.import_module(target.module)
-        except ImportError:
-            pass
-found = gemm_patch.status().targets
-pairs = found.items() if isinstance(found, dict) else ((t.name, t.state) for t in found)
-print(json.dumps({"version": detection.distribution_version(component),
-                  "states": {name: state for name, state in pairs if name in names}}))
-"""
-
-
 @dataclass
 class ReleaseResult:
     release: Release
@@ -388,7 +368,9 @@ class ReleaseResult:
 def run_release(release: Release | str, interpreter: Interpreter | None = None,
                 full_on: Release | None = None, extra_args: Sequence[str] = (), elsewhere: str = "") -> ReleaseResult:
     """Install the release, run its component's tests against it (all of them, or with
-    ``full_on`` those that start no process) and probe the states in a fresh process."""
+    ``full_on`` those that start no process) and read the states of a fresh import: in the tests'
+    process before its first test (compat/matrix_states.py), else in a process of their own."""
+    import matrix_states  # with pytest, which the matrix's own interpreter has
     if isinstance(release, str):
         release = select([release])[0]
     if interpreter is None:
@@ -405,12 +387,16 @@ def run_release(release: Release | str, interpreter: Interpreter | None = None,
     junit = CACHE / "junit" / f"{release.prefix}-{release.version}{interpreter.suffix}.xml"
     junit.parent.mkdir(parents=True, exist_ok=True)
     junit.unlink(missing_ok=True)
+    states_file = junit.with_suffix(".states.json")
+    states_file.unlink(missing_ok=True)
     test_env = {**env, "PYTHONPATH": os.pathsep.join([env["PYTHONPATH"], str(ROOT / "compat")]),
-                "GEMM_PATCH_MATRIX_QUICK": "1" if full_on else "0", "GEMM_PATCH_MATRIX_PROCESS_ELSEWHERE": elsewhere}
+                "GEMM_PATCH_MATRIX_QUICK": "1" if full_on else "0", "GEMM_PATCH_MATRIX_PROCESS_ELSEWHERE": elsewhere,
+                matrix_states.STATES_ENV: str(states_file),
+                matrix_states.NAMES_ENV: f"{release.component}:{','.join(result.expected)}"}
     try:
         proc = subprocess.run(
             [interpreter.python, "-m", "pytest", str(ROOT / release.tests), "-q", "-p", "no:cacheprovider",
-             "-p", "matrix_quick", "-p", "peak_memory", f"--junitxml={junit}", *extra_args],
+             "-p", "matrix_quick", "-p", "matrix_states", "-p", "peak_memory", f"--junitxml={junit}", *extra_args],
             env=test_env, cwd=ROOT, capture_output=True, text=True, timeout=CHILD_TIMEOUT)
         output = proc.stdout[-2000:] + proc.stderr[-2000:]
         returncode = proc.returncode
@@ -429,13 +415,21 @@ def run_release(release: Release | str, interpreter: Interpreter | None = None,
     if returncode != 0 and not result.failures:
         result.failed += 1
         result.failures.append(output)
-    probe = subprocess.run([interpreter.python, "-c", _PROBE, release.component, ",".join(result.expected)],
-                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    try:
-        found = json.loads(probe.stdout.strip().splitlines()[-1])
+    if states_file.exists():
+        found = json.loads(states_file.read_text())
+        states_file.unlink()
+    else:  # pytest ended before its first hook: a process of their own
+        probe = subprocess.run([interpreter.python, "-c", matrix_states.PROBE, release.component,
+                                ",".join(result.expected)], env=test_env, cwd=ROOT, capture_output=True, text=True,
+                               timeout=600)
+        try:
+            found = json.loads(probe.stdout.strip().splitlines()[-1])
+        except (IndexError, ValueError):
+            found = {"error": probe.stderr.strip()[-1500:]}
+    if "error" in found:
+        result.failures.append(f"state probe failed: {found['error']}")
+    else:
         result.states, result.found_version = found["states"], found["version"]
-    except (IndexError, ValueError, KeyError):
-        result.failures.append(f"state probe failed: {probe.stderr.strip()[-1500:]}")
     result.seconds = time.perf_counter() - start
     return result
 

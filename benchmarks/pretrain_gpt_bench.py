@@ -19,7 +19,7 @@ vocabulary of validation/convergence's speed mode, padded). Megatron-FSDP ``opti
 fp32 main grads, bf16, TE layers, mock data (``--mock-data``), NullTokenizer (``--vocab-size`` is
 the vocabulary minus one on 0.15-0.17.x, which adds the end-of-document id, and the vocabulary on
 0.19.x; on 0.14-0.15 at least 4095, as their mock data's token ids reach 4095), no evaluation,
-``--log-interval 5`` (``--log-interval N``). Megatron prints its memory report after iteration 1
+``--log-interval 5`` (1 for the Llama shapes; ``--log-interval N``). Megatron prints its memory report after iteration 1
 and the next logged one (``report_memory_flag`` in training.py's ``training_log``) and, with
 ``--log-memory-interval N``, every N iterations: the runs pass N = ``--iters``, so the last report
 is after the last iteration (allocated: what lives between steps; max allocated: the peak).
@@ -86,12 +86,14 @@ SIZES: dict[str, dict[str, int]] = {
     "hidden2048": {"layers": 4, "hidden": 2048, "ffn": 8192, "heads": 16, "seq": 2048, "mbs": 2, "gbs": 8,
                    "vocab": 384, "iters": 100},
     # Llama 3.2's shapes at full depth (GQA, SwiGLU, RMSNorm, RoPE base 500000, no biases, no dropout).
+    # They log every iteration's time: the step is then the median of 19 iterations, not of the four
+    # 5-iteration means that 20 iterations give, one of which still holds the warm-up.
     "llama3.2-1b": {"layers": 16, "hidden": 2048, "ffn": 8192, "heads": 32, "query_groups": 8, "seq": 8192,
-                    "mbs": 1, "gbs": 4, "vocab": 128256, "iters": 20},
+                    "mbs": 1, "gbs": 4, "vocab": 128256, "iters": 20, "log_interval": 1},
     # Its weights, fp32 main grads and Adam states (18 bytes a parameter) and its activations do not
     # fit an 80 GB card together: full activation recompute, one layer a block, as a user would run it.
     "llama3.2-3b": {"layers": 28, "hidden": 3072, "ffn": 8192, "heads": 24, "query_groups": 8, "seq": 4096,
-                    "mbs": 1, "gbs": 4, "vocab": 128256, "iters": 20, "recompute_layers": 1},
+                    "mbs": 1, "gbs": 4, "vocab": 128256, "iters": 20, "recompute_layers": 1, "log_interval": 1},
 }
 LLAMA_ARGS = ["--position-embedding-type", "rope", "--rotary-base", "500000", "--rotary-percent", "1.0",
               "--swiglu", "--normalization", "RMSNorm", "--norm-epsilon", "1e-5", "--disable-bias-linear",
@@ -305,7 +307,7 @@ def record(cell: tuple[str, bool, str], rnd: int, size_name: str, iters: int, co
            env: dict[str, str], rc: int, seconds: float, log_path: Path,
            manual_gc: int | None = None, trace: Path | None = None, cpus: str | None = None,
            device: str | None = None, strategy: str = STRATEGIES[0],
-           snapshot: Path | None = None) -> dict[str, Any]:
+           snapshot: Path | None = None, log_interval: int = LOG_INTERVAL) -> dict[str, Any]:
     release, tied, config = cell
     profile = None
     if trace is not None:
@@ -338,6 +340,7 @@ def record(cell: tuple[str, bool, str], rnd: int, size_name: str, iters: int, co
         "reserved_gib": round(mem.reserved_mb / GIB, 4) if mem else None,
         "memory_after": mem.after if mem else None,
         "iterations": max((it.iteration for it in log.iterations), default=0), "train_iters": iters,
+        "log_interval": log_interval,
         "manual_gc_interval": manual_gc, "cpus": cpus, "device": device, "profile": profile,
         "rc": rc, "error": error, "seconds": seconds, "env": env,
         "command": " ".join([*(f"{k}={v}" for k, v in env.items()), shlex.join(command)]),
@@ -424,6 +427,8 @@ def setting(record: dict[str, Any]) -> str:
     return ((DEFAULT_SETTING if gc is None else f"gc every {gc}") + (f", cpus {cpus}" if cpus else "")
             + (f", {strategy}" if strategy != STRATEGIES[0] else "")
             + (", memory history" if record.get("memory_history") else "")
+            + (f", log every {interval}" if (interval := record.get("log_interval", LOG_INTERVAL)) != LOG_INTERVAL
+               else "")
             + (f", {record['note']}" if record.get("note") else "") + (f", {device}" if device else ""))
 
 
@@ -563,11 +568,13 @@ def read_records(path: Path) -> list[dict[str, Any]]:
 def recorded_runs(records: list[dict[str, Any]], a: argparse.Namespace, iters: int,
                   device: str | None) -> set[tuple[int, tuple[str, bool, str]]]:
     """(round, cell) of the finished records made as this run would make them: on this GPU (on any,
-    for --dry, which asks no GPU), with the same shape, strategy, iterations, memory history and note."""
+    for --dry, which asks no GPU), with the same shape, strategy, iterations, log interval, memory history
+    and note (a record from before the log interval was recorded logged every LOG_INTERVAL)."""
     return {(r["round"], (r["release"], r["tied"], r["config"])) for r in records
             if r["rc"] == 0 and r["step_ms"] is not None and r.get("size") == a.size
             and r.get("strategy", STRATEGIES[0]) == a.strategy and r.get("iterations") == iters
             and bool(r.get("memory_history")) == a.memory_history and r.get("note") == a.note
+            and r.get("log_interval", LOG_INTERVAL) == a.log_interval
             and (a.dry or r.get("device") == device)}
 
 
@@ -583,8 +590,9 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"Megatron-FSDP's --data-parallel-sharding-strategy (default {STRATEGIES[0]})")
     p.add_argument("--iters", type=int, help="training iterations per process (default: 30 at hidden 4096, "
                    "100 at hidden 2048); a multiple of the log interval")
-    p.add_argument("--log-interval", type=int, default=LOG_INTERVAL,
-                   help=f"megatron's --log-interval (default {LOG_INTERVAL}; 1 logs every iteration's time)")
+    p.add_argument("--log-interval", type=int,
+                   help=f"megatron's --log-interval (default {LOG_INTERVAL}, 1 for the Llama shapes; 1 logs every "
+                        "iteration's time)")
     p.add_argument("--manual-gc", type=int, metavar="N", help="megatron's --manual-gc --manual-gc-interval N "
                    "(default: Python's automatic collector, megatron's default)")
     p.add_argument("--cpus", metavar="LIST", help="run each process under taskset -c LIST (e.g. 0-7)")
@@ -606,8 +614,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--note", help="a line every record of this run carries (e.g. the gemm_patch commit measured)")
     p.add_argument("--resume", action="store_true",
                    help="skip each (round, cell) --out already holds a finished record of, made on this GPU with the "
-                        "same shape, strategy, iterations, memory history and --note: the same command run again "
-                        "after a cut-off call finishes the plan")
+                        "same shape, strategy, iterations, log interval, memory history and --note: the same command "
+                        "run again after a cut-off call finishes the plan")
     p.add_argument("--dry", action="store_true", help="print the commands, run nothing")
     p.add_argument("--summary", type=Path, metavar="JSONL", help="print the table of these records and exit")
     p.add_argument("--compare", action="store_true",
@@ -620,6 +628,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     size = SIZES[a.size]
     iters = a.iters or size["iters"]
+    a.log_interval = a.log_interval or size.get("log_interval", LOG_INTERVAL)
     if a.log_interval < 1:
         p.error(f"--log-interval {a.log_interval}: must be at least 1")
     if iters % a.log_interval:
@@ -666,7 +675,7 @@ def main(argv: list[str] | None = None) -> int:
         trace = profile_dir / "torch_profile" / "rank-0.json.gz" if a.profile else None
         snapshot = profile_dir / SNAPSHOT if a.memory_history else None
         rec = record(cell, rnd, a.size, iters, command, config_env, rc, seconds, logs / f"{name}.log", a.manual_gc,
-                     trace, a.cpus, device, a.strategy, snapshot)
+                     trace, a.cpus, device, a.strategy, snapshot, a.log_interval)
         if a.note:
             rec["note"] = a.note
         for kept in (trace, snapshot):

@@ -282,6 +282,26 @@ def test_the_llama_shapes_have_their_architecture_and_the_3b_recomputes(capsys):
     one_b = capsys.readouterr().out
     assert "--hidden-size 2048 --num-attention-heads 32 --ffn-hidden-size 8192 --seq-length 8192" in one_b
     assert "--vocab-size 128255 " in one_b and "--recompute" not in one_b
+    assert one_b.count("--log-interval 1 ") == 4 and "--log-memory-interval 20" in one_b  # every iteration's time
+    assert bench.main(["--dry", "--size", "llama3.2-1b", "--plan", "0.19.2:tied:patched", "--rounds", "1",
+                       "--log-interval", "5"]) == 0
+    assert "--log-interval 5 " in capsys.readouterr().out  # as asked
+    assert bench.main(["--dry", "--plan", "0.19.2:tied:patched", "--rounds", "1"]) == 0
+    assert "--log-interval 5 " in capsys.readouterr().out  # hidden 4096 as its records were made
+
+
+def test_a_record_of_another_log_interval_is_not_resumed_nor_compared(upstream, capsys):
+    code, records = run_bench(upstream, "core")
+    assert code == 0 and all(r["log_interval"] == bench.LOG_INTERVAL for r in records)
+    out = upstream / "records.jsonl"
+    older = [{k: v for k, v in r.items() if k != "log_interval"} for r in records]  # made before it was recorded
+    out.write_text("".join(json.dumps(r) + "\n" for r in older))
+    code, records = run_bench(upstream, "core", "--resume")
+    assert code == 0 and len(records) == 2  # a record without it logged every LOG_INTERVAL: resumed
+    code, records = run_bench(upstream, "core", "--resume", "--log-interval", "1")
+    assert code == 0 and [r["log_interval"] for r in records[2:]] == [1, 1]
+    table = bench.summary(records)
+    assert table.count(" | patched | ") == 2 and "log every 1" in table  # two settings, never one median
 
 
 LINE = (" [2026-12-07 05:00:00.000000] iteration {it:8d}/      10 | consumed samples: 4 | elapsed time per iteration "

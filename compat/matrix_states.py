@@ -37,10 +37,8 @@ def read_states(component: str, names: list[str]) -> dict:
                 importlib.import_module(target.module)
             except ImportError:
                 pass
-    found = gemm_patch.status().targets
-    pairs = found.items() if isinstance(found, dict) else ((t.name, t.state) for t in found)
     return {"version": detection.distribution_version(component),
-            "states": {name: state for name, state in pairs if name in names}}
+            "states": {t.name: t.state for t in gemm_patch.status().targets if t.name in names}}
 
 
 @pytest.hookimpl(tryfirst=True)

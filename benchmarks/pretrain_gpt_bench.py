@@ -427,6 +427,7 @@ def setting(record: dict[str, Any]) -> str:
     return ((DEFAULT_SETTING if gc is None else f"gc every {gc}") + (f", cpus {cpus}" if cpus else "")
             + (f", {strategy}" if strategy != STRATEGIES[0] else "")
             + (", memory history" if record.get("memory_history") else "")
+            + (", profiled" if record.get("profile") else "")
             + (f", log every {interval}" if (interval := record.get("log_interval", LOG_INTERVAL)) != LOG_INTERVAL
                else "")
             + (f", {record['note']}" if record.get("note") else "") + (f", {device}" if device else ""))
@@ -568,12 +569,13 @@ def read_records(path: Path) -> list[dict[str, Any]]:
 def recorded_runs(records: list[dict[str, Any]], a: argparse.Namespace, iters: int,
                   device: str | None) -> set[tuple[int, tuple[str, bool, str]]]:
     """(round, cell) of the finished records made as this run would make them: on this GPU (on any,
-    for --dry, which asks no GPU), with the same shape, strategy, iterations, log interval, memory history
-    and note (a record from before the log interval was recorded logged every LOG_INTERVAL)."""
+    for --dry, which asks no GPU), with the same shape, strategy, iterations, log interval, memory history,
+    profiler and note (a record from before the log interval was recorded logged every LOG_INTERVAL)."""
     return {(r["round"], (r["release"], r["tied"], r["config"])) for r in records
             if r["rc"] == 0 and r["step_ms"] is not None and r.get("size") == a.size
             and r.get("strategy", STRATEGIES[0]) == a.strategy and r.get("iterations") == iters
             and bool(r.get("memory_history")) == a.memory_history and r.get("note") == a.note
+            and bool(r.get("profile")) == bool(a.profile)
             and r.get("log_interval", LOG_INTERVAL) == a.log_interval
             and (a.dry or r.get("device") == device)}
 

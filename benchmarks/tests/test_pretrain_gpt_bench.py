@@ -304,6 +304,20 @@ def test_a_record_of_another_log_interval_is_not_resumed_nor_compared(upstream, 
     assert table.count(" | patched | ") == 2 and "log every 1" in table  # two settings, never one median
 
 
+def test_a_profiled_record_is_not_resumed_nor_compared_with_an_unprofiled_one(upstream):
+    code, records = run_bench(upstream, "core")
+    assert code == 0 and all(r["profile"] is None for r in records)
+    out = upstream / "records.jsonl"
+    profiled = [{**r, "profile": {"steps": 2, "gpu_busy_ms": 300.0, "gpu_idle_ms": 30.0}} for r in records]
+    out.write_text("".join(json.dumps(r) + "\n" for r in profiled))
+    code, records = run_bench(upstream, "core", "--resume")
+    assert code == 0 and len(records) == 4 and [r["profile"] for r in records[2:]] == [None, None]
+    table = bench.summary(records)
+    assert table.count(" | patched | ") == 2 and ", profiled" in table  # the profiler's overhead in one row only
+    code, records = run_bench(upstream, "core", "--resume")
+    assert code == 0 and len(records) == 4  # both settings recorded: nothing runs again
+
+
 LINE = (" [2026-12-07 05:00:00.000000] iteration {it:8d}/      10 | consumed samples: 4 | elapsed time per iteration "
         "(ms): {ms:.1f} | throughput per GPU (TFLOP/s/GPU): {tf:.1f} | learning rate: 1.0E-04 | lm loss: 1.1E+01 |")
 

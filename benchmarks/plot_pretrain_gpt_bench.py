@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from benchmarks.pretrain_gpt_bench import LOG_INTERVAL
+
 LABELS = {"fusion_off": "fusion off", "patched": "gemm-patch", "bf16_grads": "bf16 grads",
           "bf16_upstream": "bf16 grads,\nmegatron alone",
           "no_shared_grad": "no shared\ngrad fix", "no_te_overwrite": "no TE\noverwrite fix",
@@ -86,13 +88,14 @@ def main(src: str, dst: str) -> int:
     return 0
 
 
-def shapes(records: list[dict[str, Any]]) -> dict[tuple[str, str, bool, str], dict[str, list[float]]]:
-    """(shape, release, tied, GPU) -> configuration -> tokens/s of each finished round, timing runs only."""
-    out: dict[tuple[str, str, bool, str], dict[str, list[float]]] = {}
+def shapes(records: list[dict[str, Any]]) -> dict[tuple[str, str, bool, str, int], dict[str, list[float]]]:
+    """(shape, release, tied, GPU, log interval) -> configuration -> tokens/s of each finished round, timing runs
+    only (neither the allocator's history nor the profiler): runs of two log intervals never share a bar."""
+    out: dict[tuple[str, str, bool, str, int], dict[str, list[float]]] = {}
     for r in records:
-        if (r["rc"] == 0 and r.get("tokens_per_s") and not r.get("memory_history")
+        if (r["rc"] == 0 and r.get("tokens_per_s") and not r.get("memory_history") and not r.get("profile")
                 and not str(r.get("size", "hidden")).startswith("hidden")):
-            key = (r["size"], r["release"], r["tied"], r.get("device") or "?")
+            key = (r["size"], r["release"], r["tied"], r.get("device") or "?", r.get("log_interval", LOG_INTERVAL))
             out.setdefault(key, {}).setdefault(r["config"], []).append(r["tokens_per_s"])
     return dict(sorted(out.items()))
 
@@ -110,18 +113,20 @@ def tokens_chart(sources: list[str], dst: str) -> int:
     fig, axes = plt.subplots(1, len(panels), figsize=(max(7.0, 3.6 * len(panels) + 1), 4.5), squeeze=False,
                              constrained_layout=True)
     order = list(LABELS)
-    for ax, ((shape, release, tied, device), configs) in zip(axes[0], panels.items(), strict=True):
+    for ax, ((shape, release, tied, device, interval), configs) in zip(axes[0], panels.items(), strict=True):
         names = sorted(configs, key=lambda c: order.index(c) if c in order else len(order))
         medians = [statistics.median(configs[c]) for c in names]
         ax.bar(range(len(names)), medians, color=["#d98" if c == "patched" else "#9ab" for c in names], width=0.6)
         for i, c in enumerate(names):
             ax.plot([i] * len(configs[c]), configs[c], "k.", ms=5)
             ax.annotate(f"{medians[i]:,.0f}", (i, medians[i]), ha="center", va="bottom", fontsize=7)
-        ax.set_ylim(min(medians) * 0.9, max(medians) * 1.05)
+        every = [v for c in names for v in configs[c]]  # every round's dot stays inside the axes
+        ax.set_ylim(min(every) * 0.9, max(every) * 1.05)
         ax.set_xticks(range(len(names)), [LABELS.get(c, c).replace("\n", " ") for c in names], fontsize=7,
                       rotation=20)
         ax.set_ylabel("tokens per second per GPU (median of rounds)")
-        ax.set_title(f"{shape}, {'tied' if tied else 'untied'}, megatron-core {release}\n{device}", fontsize=9)
+        logged = f", log every {interval}" if interval != LOG_INTERVAL else ""
+        ax.set_title(f"{shape}, {'tied' if tied else 'untied'}, megatron-core {release}\n{device}{logged}", fontsize=9)
     fig.suptitle("Megatron-LM pretrain_gpt.py, Megatron-FSDP, one GPU\nfp32 main grads (bf16 grads: bf16); "
                  "dots: rounds", fontsize=10)
     fig.savefig(dst, dpi=100)

@@ -165,6 +165,16 @@ def test_chart(tmp_path):
     assert (tmp_path / "chart.png").stat().st_size > 10_000
 
 
+def test_the_tokens_chart_keeps_log_intervals_apart_and_leaves_out_profiled_runs():
+    from benchmarks import plot_pretrain_gpt_bench as plot
+
+    records = [rec("patched", 1, 700.0), rec("patched", 2, 710.0, log_interval=1),
+               rec("patched", 3, 900.0, profile={"steps": 2}), rec("patched", 4, 950.0, memory_history=True)]
+    panels = plot.shapes(records)
+    assert [key[-1] for key in panels] == [1, bench.LOG_INTERVAL]
+    assert [len(configs["patched"]) for configs in panels.values()] == [1, 1]
+
+
 def test_compare_runs_gemm_patch_compare_on_pretrain_gpt(upstream, capsys):
     out = upstream / "out" / "records.jsonl"
     code = bench.main(["--compare", "--out", str(out), "--plan", "0.19.2:tied:*", "--iters", "10", "--python",

@@ -50,7 +50,9 @@ once, the order turned by one each round (so no cell always runs first on a cold
 finished process appends one JSON record to ``--out`` at once (entry, release, size, hidden, vocab,
 tied, config, round, step_ms: the median of megatron's logged per-iteration times after the
 iteration-1 line, allocated_gib and max_allocated_gib of the last memory report, device: the
-GPU's name, iterations, rc, error, command, ...), so a cut-off call keeps what finished; no process starts after
+GPU's name, gpu_clocks: the SM clock, power and temperature while the GPU was busy
+(benchmarks/gpu_clocks.py, its samples beside the log as NAME.gpu.csv), iterations, rc, error,
+command, ...), so a cut-off call keeps what finished; no process starts after
 ``--deadline`` seconds, and each has ``--proc-limit`` seconds. The GPU kit of
 validation/convergence/run.sh is used as there: PYTHONPATH=KIT/mcXYZ:KIT/site:this checkout, the
 no-op Makefile in megatron/core/datasets, NCCL_NVLS_ENABLE=0; pretrain_gpt.py and its neighbours
@@ -75,7 +77,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import memory_peak, profile_trace
+from benchmarks import gpu_clocks, memory_peak, profile_trace
 from gemm_patch.commands.compare import parse_log
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -285,6 +287,15 @@ def run_one(command: list[str], env: dict[str, str], cwd: Path, log_path: Path, 
             rc = 124
             log.write(f"\nTIMEOUT: killed after {limit:.0f} s\n")
     return rc, round(time.monotonic() - t0, 1)
+
+
+def clocks_said(clocks: dict[str, Any] | None) -> str:
+    """The progress line's part on the GPU's clock while busy (gpu_clocks), empty where nothing was read."""
+    if not clocks or "sm_mhz_median" not in clocks:
+        return f" gpu_clocks={clocks}" if clocks else ""
+    return (f" SM MHz={clocks['sm_mhz_median']:.0f} (min {clocks['sm_mhz_min']:.0f}"
+            f" of {clocks['sm_mhz_rated_max']:.0f})"
+            f" W={clocks['power_w_median']:.0f} (max {clocks['power_w_max']:.0f} of {clocks['power_limit_w']:.0f})")
 
 
 def throughput(text: str) -> float | None:
@@ -672,12 +683,14 @@ def main(argv: list[str] | None = None) -> int:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         if a.memory_history:  # megatron opens the snapshot's path as it is
             profile_dir.mkdir(parents=True, exist_ok=True)
-        rc, seconds = run_one(command, environment(release, a.kit, config_env), cwd, logs / f"{name}.log",
-                              a.proc_limit)
+        with gpu_clocks.GpuClocks(logs / f"{name}.gpu.csv") as clocks:
+            rc, seconds = run_one(command, environment(release, a.kit, config_env), cwd, logs / f"{name}.log",
+                                  a.proc_limit)
         trace = profile_dir / "torch_profile" / "rank-0.json.gz" if a.profile else None
         snapshot = profile_dir / SNAPSHOT if a.memory_history else None
         rec = record(cell, rnd, a.size, iters, command, config_env, rc, seconds, logs / f"{name}.log", a.manual_gc,
                      trace, a.cpus, device, a.strategy, snapshot, a.log_interval)
+        rec["gpu_clocks"] = clocks.summary()
         if a.note:
             rec["note"] = a.note
         for kept in (trace, snapshot):
@@ -690,7 +703,8 @@ def main(argv: list[str] | None = None) -> int:
         done.append(rec)
         print(f"== {name}: rc={rc} {seconds:.0f} s step_ms={rec['step_ms']} tokens/s={rec['tokens_per_s']} "
               f"TFLOP/s={rec['tflops']} allocated={rec['allocated_gib']} "
-              f"max_allocated={rec['max_allocated_gib']} GiB" + (f" error={rec['error']}" if rec["error"] else ""),
+              f"max_allocated={rec['max_allocated_gib']} GiB" + clocks_said(rec["gpu_clocks"])
+              + (f" error={rec['error']}" if rec["error"] else ""),
               flush=True)
     if done:
         print(summary(done) + "\n\n" + shape_table(done))

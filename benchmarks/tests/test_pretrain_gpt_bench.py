@@ -314,6 +314,42 @@ def test_a_record_of_another_log_interval_is_not_resumed_nor_compared(upstream, 
     assert table.count(" | patched | ") == 2 and "log every 1" in table  # two settings, never one median
 
 
+def test_the_gpu_clock_is_read_beside_each_process(upstream, monkeypatch, capsys):
+    smi = upstream / "bin" / "nvidia-smi"
+    smi.parent.mkdir()
+    # name query: the card; sampling query: one idle line (start-up), then busy lines until stopped
+    smi.write_text("#!/bin/sh\ncase \"$1\" in --query-gpu=name) echo 'NVIDIA H100 80GB HBM3';; *)\n"
+                   f"echo \"$@\" > {upstream / 'smi_args'}\necho '0, 345, 1980, 70.1, 700.00, 35'\n"
+                   "while true; do echo '100, 1755, 1980, 650.5, 700.00, 61'; echo '98, 1410, 1980, 699.0, 700.00, 66';"
+                   " sleep 0.05; done;; esac\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{smi.parent}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    code, records = run_bench(upstream, "0.19.2:tied:patched")
+    clocks = records[0]["gpu_clocks"]
+    assert code == 0 and clocks["busy_samples"] == clocks["samples"] - 1 >= 2  # the idle line is left out
+    assert clocks["sm_mhz_min"] == 1410 and clocks["sm_mhz_rated_max"] == 1980 and clocks["power_w_max"] == 699.0
+    assert clocks["power_limit_w"] == 700.0 and clocks["temperature_c_max"] == 66
+    assert "-i 3 -lms 500" in (upstream / "smi_args").read_text()
+    assert "SM MHz=" in capsys.readouterr().out
+    assert (upstream / "logs" / "hidden4096_0.19.2_tied_patched_r1.gpu.csv").read_text().count("\n") >= 3  # kept
+
+
+def test_gpu_clock_readings_without_a_busy_or_valid_line():
+    from benchmarks import gpu_clocks
+
+    assert gpu_clocks.summarise("0, 345, 1980, 70.1, 700.00, 35\n") == {"samples": 1, "busy_samples": 0}
+    said = gpu_clocks.summarise("Field \"clocks.max.sm\" is not a valid field to query.\n")
+    assert said == {"error": 'nvidia-smi gave no reading: Field "clocks.max.sm" is not a valid field to query.'}
+    assert gpu_clocks.summarise("100, [N/A], 1980, 650.5, 700.00, 61\n")["error"].startswith("nvidia-smi gave")
+
+
+def test_no_nvidia_smi_no_gpu_clock(upstream, monkeypatch):
+    monkeypatch.setenv("PATH", os.path.dirname(sys.executable))
+    code, records = run_bench(upstream, "0.19.2:tied:patched")
+    assert code == 0 and records[0]["gpu_clocks"] is None
+
+
 def test_a_profiled_record_is_not_resumed_nor_compared_with_an_unprofiled_one(upstream):
     code, records = run_bench(upstream, "core")
     assert code == 0 and all(r["profile"] is None for r in records)

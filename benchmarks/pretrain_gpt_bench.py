@@ -524,9 +524,9 @@ def fusion_saved_bytes(size: dict[str, int]) -> int:
 
 def shape_table(records: list[dict[str, Any]]) -> str:
     """Markdown: per named shape (release, embeddings, setting) and configuration, the medians over
-    rounds of tokens per second, megatron's TFLOP/s per GPU, step time and memory; gemm-patch's
-    tokens/s against fusion off, every fix off and bf16 main grads; and its gain over fusion off
-    beside the bound (fusion_saved_bytes over the GPU's bandwidth)."""
+    rounds of tokens per second (and the rounds' range: how far one round says anything), megatron's
+    TFLOP/s per GPU, step time and memory; gemm-patch's tokens/s against fusion off, every fix off and
+    bf16 main grads; and its gain over fusion off beside the bound (fusion_saved_bytes over the GPU's bandwidth)."""
     groups: dict[tuple, dict[str, list[dict[str, Any]]]] = {}
     for r in records:
         # A run recording the allocator's history is slowed by it: memory_peak.peak_table reads it.
@@ -534,7 +534,7 @@ def shape_table(records: list[dict[str, Any]]) -> str:
                 and not r["size"].startswith("hidden") and not r.get("memory_history")):
             key = (r["size"], r["release"], r["tied"], setting(r))
             groups.setdefault(key, {}).setdefault(r["config"], []).append(r)
-    rows = ["| shape, megatron-core, embeddings | setting | configuration | rounds | tokens/s per GPU "
+    rows = ["| shape, megatron-core, embeddings | setting | configuration | rounds | tokens/s per GPU (rounds' range) "
             "| TFLOP/s per GPU | step ms | allocated / max allocated GiB | gemm-patch's tokens/s over this one's "
             "| gain over fusion off: measured / bound (ms; % of step) |",
             "|---|---|---|---|---|---|---|---|---|---|"]
@@ -555,8 +555,11 @@ def shape_table(records: list[dict[str, Any]]) -> str:
                 bound = fusion_saved_bytes(SIZES[shape]) / bandwidth * 1000.0
                 gain = f"{saved:.1f} / {bound:.1f} ({100 * saved / step:.1f}% / {100 * bound / step:.1f}%)"
             memory = f"{max(r['allocated_gib'] for r in rs):.2f} / {max(r['max_allocated_gib'] for r in rs):.2f}"
+            each = [r["tokens_per_s"] for r in rs]
+            spread = f" ({min(each):,.0f}-{max(each):,.0f})" if len(rs) > 1 else ""
             rows.append(f"| {shape}, {release}, {'tied' if tied else 'untied'} | {where} | {config} | {len(rs)} | "
-                        f"{tokens:,.0f} | {f'{med(flops):.1f}' if flops else '-'} | {step:.1f} | {memory} | {ratio} | "
+                        f"{tokens:,.0f}{spread} | {f'{med(flops):.1f}' if flops else '-'} | {step:.1f} | {memory} | "
+                        f"{ratio} | "
                         f"{gain} |")
     return "\n".join(rows) + "\n"
 

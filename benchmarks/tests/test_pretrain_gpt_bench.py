@@ -393,11 +393,17 @@ def test_shape_table_ratios_and_the_bound():
     assert list(rows) == ["fusion_off", "patched", "bf16_grads", "fixes_off"]
     assert len(cells) == 4  # a run slowed by the allocator's history is never timed against the others
     assert rows["fusion_off"][0] == "llama3.2-1b, 0.19.2, tied" and rows["fusion_off"][3] == "3"
-    assert rows["fusion_off"][4] == f"{4 * 8192 * 1000 / 700:,.0f}" and rows["fusion_off"][5] == "400.0"
+    one = f"{4 * 8192 * 1000 / 700:,.0f}"
+    assert rows["fusion_off"][4] == f"{one} ({one}-{one})" and rows["fusion_off"][5] == "400.0"
     assert rows["fusion_off"][8] == f"{700 / 690:.3f}" and rows["bf16_grads"][8] == f"{688 / 690:.3f}"
     bound = bench.fusion_saved_bytes(bench.SIZES["llama3.2-1b"]) / 3.35e12 * 1000
     assert rows["patched"][9] == f"10.0 / {bound:.1f} ({100 * 10 / 690:.1f}% / {100 * bound / 690:.1f}%)"
     assert "memory history" in bench.setting(records[-1])
+    spread = bench.shape_table([rec("patched", 1, 700.0), rec("patched", 2, 800.0), rec("patched", 3, 750.0),
+                                rec("fusion_off", 1, 760.0)])
+    tokens = [line.split("|")[5].strip() for line in spread.splitlines()[2:]]
+    assert tokens == [f"{4 * 8192 * 1000 / 760:,.0f}",  # one round: no range
+                      f"{4 * 8192 * 1000 / 750:,.0f} ({4 * 8192 * 1000 / 800:,.0f}-{4 * 8192 * 1000 / 700:,.0f})"]
 
 
 def test_gemm_weights_of_a_llama_layer():

@@ -18,7 +18,9 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-FIELDS = ("utilization.gpu", "clocks.sm", "clocks.max.sm", "power.draw", "power.limit", "temperature.gpu")
+# The timestamp lines the samples up with megatron's timestamped iteration lines in the log.
+FIELDS = ("timestamp", "utilization.gpu", "clocks.sm", "clocks.max.sm", "power.draw", "power.limit",
+          "temperature.gpu")
 BUSY_PERCENT = 50.0
 INTERVAL_MS = 500
 
@@ -30,14 +32,15 @@ def gpu_index() -> str:
 
 
 def summarise(text: str) -> dict[str, Any]:
-    """nvidia-smi's CSV lines (FIELDS, no header, no units) -> medians and extremes over the busy samples."""
+    """nvidia-smi's CSV lines (FIELDS, no header, no units) -> medians and extremes over the busy samples
+    (the timestamp stays in the CSV file for lining samples up with iterations)."""
     rows = []
     for line in text.splitlines():
         cells = [c.strip() for c in line.split(",")]
         if len(cells) != len(FIELDS):
             continue
         try:
-            rows.append(dict(zip(FIELDS, map(float, cells), strict=True)))
+            rows.append(dict(zip(FIELDS[1:], map(float, cells[1:]), strict=True)))
         except ValueError:  # "[N/A]" or a message instead of a number
             continue
     if not rows:

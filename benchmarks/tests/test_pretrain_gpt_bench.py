@@ -319,8 +319,10 @@ def test_the_gpu_clock_is_read_beside_each_process(upstream, monkeypatch, capsys
     smi.parent.mkdir()
     # name query: the card; sampling query: one idle line (start-up), then busy lines until stopped
     smi.write_text("#!/bin/sh\ncase \"$1\" in --query-gpu=name) echo 'NVIDIA H100 80GB HBM3';; *)\n"
-                   f"echo \"$@\" > {upstream / 'smi_args'}\necho '0, 345, 1980, 70.1, 700.00, 35'\n"
-                   "while true; do echo '100, 1755, 1980, 650.5, 700.00, 61'; echo '98, 1410, 1980, 699.0, 700.00, 66';"
+                   f"echo \"$@\" > {upstream / 'smi_args'}\n"
+                   "echo '2026/12/07 17:00:00.000, 0, 345, 1980, 70.1, 700.00, 35'\n"
+                   "while true; do echo '2026/12/07 17:00:00.500, 100, 1755, 1980, 650.5, 700.00, 61';"
+                   " echo '2026/12/07 17:00:01.000, 98, 1410, 1980, 699.0, 700.00, 66';"
                    " sleep 0.05; done;; esac\n")
     smi.chmod(0o755)
     monkeypatch.setenv("PATH", f"{smi.parent}{os.pathsep}{os.environ['PATH']}")
@@ -330,7 +332,8 @@ def test_the_gpu_clock_is_read_beside_each_process(upstream, monkeypatch, capsys
     assert code == 0 and clocks["busy_samples"] == clocks["samples"] - 1 >= 2  # the idle line is left out
     assert clocks["sm_mhz_min"] == 1410 and clocks["sm_mhz_rated_max"] == 1980 and clocks["power_w_max"] == 699.0
     assert clocks["power_limit_w"] == 700.0 and clocks["temperature_c_max"] == 66
-    assert "-i 3 -lms 500" in (upstream / "smi_args").read_text()
+    asked = (upstream / "smi_args").read_text()
+    assert "--query-gpu=timestamp,utilization.gpu,clocks.sm," in asked and "-i 3 -lms 500" in asked
     assert "SM MHz=" in capsys.readouterr().out
     assert (upstream / "logs" / "hidden4096_0.19.2_tied_patched_r1.gpu.csv").read_text().count("\n") >= 3  # kept
 
@@ -338,10 +341,11 @@ def test_the_gpu_clock_is_read_beside_each_process(upstream, monkeypatch, capsys
 def test_gpu_clock_readings_without_a_busy_or_valid_line():
     from benchmarks import gpu_clocks
 
-    assert gpu_clocks.summarise("0, 345, 1980, 70.1, 700.00, 35\n") == {"samples": 1, "busy_samples": 0}
+    stamp = "2026/12/07 17:00:00.000, "
+    assert gpu_clocks.summarise(stamp + "0, 345, 1980, 70.1, 700.00, 35\n") == {"samples": 1, "busy_samples": 0}
     said = gpu_clocks.summarise("Field \"clocks.max.sm\" is not a valid field to query.\n")
     assert said == {"error": 'nvidia-smi gave no reading: Field "clocks.max.sm" is not a valid field to query.'}
-    assert gpu_clocks.summarise("100, [N/A], 1980, 650.5, 700.00, 61\n")["error"].startswith("nvidia-smi gave")
+    assert gpu_clocks.summarise(stamp + "100, [N/A], 1980, 650.5, 700.00, 61\n")["error"].startswith("nvidia-smi")
 
 
 def test_no_nvidia_smi_no_gpu_clock(upstream, monkeypatch):

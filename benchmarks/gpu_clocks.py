@@ -7,12 +7,15 @@ processes idle the clock down and say nothing about the steps.
 
     with GpuClocks(path) as clocks:
         run the process
-    clocks.summary()  # {"samples": ..., "sm_mhz_median": ..., ...}, or {"error": ...}, or None
+    clocks.summary(log_text)  # {"samples": ..., "sm_mhz_median": ..., "by_iteration": ...}, {"error": ...} or None
 """
 
 from __future__ import annotations
 
+import datetime
+import itertools
 import os
+import re
 import statistics
 import subprocess
 from pathlib import Path
@@ -23,12 +26,35 @@ FIELDS = ("timestamp", "utilization.gpu", "clocks.sm", "clocks.max.sm", "power.d
           "temperature.gpu")
 BUSY_PERCENT = 50.0
 INTERVAL_MS = 500
+SAMPLE_TIME = "%Y/%m/%d %H:%M:%S.%f"
+# megatron's logged iteration line: "[2026-12-07 05:00:00.123456] iteration        5/      20 | ..."
+ITERATION_END = re.compile(r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+)\] iteration\s+(\d+)/")
 
 
 def gpu_index() -> str:
     """The GPU the process sees first: CUDA_VISIBLE_DEVICES' first entry where it is a number, else 0."""
     first = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
     return first if first.isdigit() else "0"
+
+
+def by_iteration(log_text: str, samples_text: str) -> list[list[float | None]]:
+    """[iteration, median SM MHz, median W] over the samples taken since the previous logged iteration
+    line (None where none fell there): the clock beside each logged interval's time."""
+    ends = [(int(m.group(2)), datetime.datetime.fromisoformat(m.group(1)))
+            for m in ITERATION_END.finditer(log_text)]
+    samples = []
+    for line in samples_text.splitlines():
+        cells = [c.strip() for c in line.split(",")]
+        try:
+            samples.append((datetime.datetime.strptime(cells[0], SAMPLE_TIME), float(cells[2]), float(cells[4])))
+        except (ValueError, IndexError):
+            continue
+    out: list[list[float | None]] = []
+    for (_, start), (iteration, end) in itertools.pairwise(ends):
+        inside = [(sm, watts) for t, sm, watts in samples if start < t <= end]
+        out.append([iteration, statistics.median(sm for sm, _ in inside) if inside else None,
+                    round(statistics.median(w for _, w in inside), 1) if inside else None])
+    return out
 
 
 def summarise(text: str) -> dict[str, Any]:
@@ -88,10 +114,15 @@ class GpuClocks:
                 self.proc.kill()
                 self.proc.wait()
 
-    def summary(self) -> dict[str, Any] | None:
+    def summary(self, log_text: str = "") -> dict[str, Any] | None:
+        """summarise()'s reading, with by_iteration() against LOG_TEXT (megatron's log) where it has lines."""
         if self.missing:
             return None
         try:
-            return summarise(self.path.read_text(errors="replace"))
+            samples = self.path.read_text(errors="replace")
         except OSError as e:
             return {"error": f"{self.path}: {e}"}
+        said = summarise(samples)
+        if "sm_mhz_median" in said and (iterations := by_iteration(log_text, samples)):
+            said["by_iteration"] = iterations
+        return said

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.pretrain_gpt_bench import LOG_INTERVAL
+from benchmarks.pretrain_gpt_bench import LOG_INTERVAL, STEADY_FROM, steady_tokens_per_s
 
 LABELS = {"fusion_off": "fusion off", "patched": "gemm-patch", "bf16_grads": "bf16 grads",
           "bf16_upstream": "bf16 grads,\nmegatron alone",
@@ -93,10 +93,10 @@ def shapes(records: list[dict[str, Any]]) -> dict[tuple[str, str, bool, str, int
     only (neither the allocator's history nor the profiler): runs of two log intervals never share a bar."""
     out: dict[tuple[str, str, bool, str, int], dict[str, list[float]]] = {}
     for r in records:
-        if (r["rc"] == 0 and r.get("tokens_per_s") and not r.get("memory_history") and not r.get("profile")
+        if (r["rc"] == 0 and steady_tokens_per_s(r) and not r.get("memory_history") and not r.get("profile")
                 and not str(r.get("size", "hidden")).startswith("hidden")):
             key = (r["size"], r["release"], r["tied"], r.get("device") or "?", r.get("log_interval", LOG_INTERVAL))
-            out.setdefault(key, {}).setdefault(r["config"], []).append(r["tokens_per_s"])
+            out.setdefault(key, {}).setdefault(r["config"], []).append(steady_tokens_per_s(r))
     return dict(sorted(out.items()))
 
 
@@ -124,7 +124,7 @@ def tokens_chart(sources: list[str], dst: str) -> int:
         ax.set_ylim(min(every) * 0.9, max(every) * 1.05)
         ax.set_xticks(range(len(names)), [LABELS.get(c, c).replace("\n", " ") for c in names], fontsize=7,
                       rotation=20)
-        ax.set_ylabel("tokens per second per GPU (median of rounds)")
+        ax.set_ylabel(f"tokens per second per GPU, iterations {STEADY_FROM}- (median of rounds)", fontsize=8)
         logged = f", log every {interval}" if interval != LOG_INTERVAL else ""
         ax.set_title(f"{shape}, {'tied' if tied else 'untied'}, megatron-core {release}\n{device}{logged}", fontsize=9)
     fig.suptitle("Megatron-LM pretrain_gpt.py, Megatron-FSDP, one GPU\nfp32 main grads (bf16 grads: bf16); "

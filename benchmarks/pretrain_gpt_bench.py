@@ -137,6 +137,9 @@ PLANS["alternatives-untied"] = [f"0.19.2:untied:{c}" for c in ALTERNATIVES]
 PLANS["alternatives-0.17.1"] = [f"0.17.1:tied:{c}" for c in ALTERNATIVES]
 PLANS["full"] = [cell for name in ("core", "untied", "fixes", "release-0.17.1") for cell in PLANS[name]]
 LOG_INTERVAL = 5
+# Iterations 1-5 hold torch.compile's and the allocator's warm-up (logged every 5, the 2-5 interval is 2-3x a step):
+# the steady step is the time of the iterations from this one on over their count, as a run's tokens per second is.
+STEADY_FROM = 6
 THROUGHPUT_RE = re.compile(r"\biteration\s+\d+/\s*\d+ \|.*?throughput per GPU \(TFLOP/s/GPU\): ([\d.]+)")
 SNAPSHOT = "memory_snapshot.pickle"
 OLD_MOCK_IDS = 4096  # 0.14-0.15's mock data: token ids below this, whatever the vocabulary
@@ -298,6 +301,35 @@ def clocks_said(clocks: dict[str, Any] | None) -> str:
             f" W={clocks['power_w_median']:.0f} (max {clocks['power_w_max']:.0f} of {clocks['power_limit_w']:.0f})")
 
 
+def logged_intervals(record: dict[str, Any]) -> list[tuple[int, float]]:
+    """(last iteration, per-iteration ms) of each logged line; records made before the iterations were kept
+    logged iteration 1 and then every log interval, which is checked against their iteration count."""
+    times = record.get("step_ms_intervals") or []
+    if record.get("step_ms_iterations"):
+        return list(zip(record["step_ms_iterations"], times, strict=True))
+    interval = record.get("log_interval", LOG_INTERVAL)
+    ends = [1, *range(max(interval, 2), interval * len(times), interval)] if interval > 1 else \
+        list(range(1, len(times) + 1))
+    return list(zip(ends, times, strict=True)) if times and ends[-1] == record.get("iterations") else []
+
+
+def steady_step_ms(record: dict[str, Any]) -> float | None:
+    """Mean time per iteration from STEADY_FROM on: their logged time over their count (each logged line
+    is the mean of the iterations since the previous one). None where no such line was logged."""
+    total = count = previous = 0
+    for end, ms in logged_intervals(record):
+        if previous + 1 >= STEADY_FROM and ms is not None:
+            total, count = total + ms * (end - previous), count + end - previous
+        previous = end
+    return round(total / count, 2) if count else None
+
+
+def steady_tokens_per_s(record: dict[str, Any]) -> float | None:
+    """Tokens per second per GPU over the steady iterations (steady_step_ms) of a named shape's record."""
+    step, size = steady_step_ms(record), SIZES.get(record.get("size", ""))
+    return size["gbs"] * size["seq"] * 1000.0 / step if step and size else None
+
+
 def throughput(text: str) -> float | None:
     """Median of megatron's ``--log-throughput`` figures (TFLOP/s per GPU) after the first line."""
     values = [float(v) for v in THROUGHPUT_RE.findall(text)]
@@ -343,6 +375,7 @@ def record(cell: tuple[str, bool, str], rnd: int, size_name: str, iters: int, co
         "vocab": size["vocab"], "seq": size["seq"], "layers": size["layers"], "micro_batch_size": size["mbs"],
         "global_batch_size": size["gbs"], "strategy": strategy, "tied": tied, "config": config, "round": rnd,
         "step_ms": step_ms, "step_ms_intervals": [it.step_ms for it in log.iterations],
+        "step_ms_iterations": [it.iteration for it in log.iterations],
         "tokens_per_s": round(size["gbs"] * size["seq"] * 1000.0 / step_ms, 1) if step_ms else None,
         "tflops": throughput(text), "recompute_layers": size.get("recompute_layers"),
         "memory_history": snapshot is not None, "memory_peak": read_snapshot(snapshot),
@@ -524,18 +557,21 @@ def fusion_saved_bytes(size: dict[str, int]) -> int:
 
 def shape_table(records: list[dict[str, Any]]) -> str:
     """Markdown: per named shape (release, embeddings, setting) and configuration, the medians over
-    rounds of tokens per second (and the rounds' range: how far one round says anything), megatron's
-    TFLOP/s per GPU, step time and memory; gemm-patch's tokens/s against fusion off, every fix off and
-    bf16 main grads; and its gain over fusion off beside the bound (fusion_saved_bytes over the GPU's bandwidth)."""
+    rounds of the steady step (steady_step_ms: a run's time over its iterations, which a median of
+    iterations is not where the step drifts in phases) and its tokens per second (and the rounds'
+    range: how far one round says anything), megatron's TFLOP/s per GPU and memory; gemm-patch's
+    tokens/s against fusion off, every fix off and bf16 main grads; and its gain over fusion off
+    beside the bound (fusion_saved_bytes over the GPU's bandwidth)."""
     groups: dict[tuple, dict[str, list[dict[str, Any]]]] = {}
     for r in records:
         # A run recording the allocator's history is slowed by it: memory_peak.peak_table reads it.
-        if (r["rc"] == 0 and r["step_ms"] is not None and r.get("tokens_per_s") and r.get("size") in SIZES
-                and not r["size"].startswith("hidden") and not r.get("memory_history")):
+        if (r["rc"] == 0 and r.get("size") in SIZES and not r["size"].startswith("hidden")
+                and not r.get("memory_history") and steady_step_ms(r)):
             key = (r["size"], r["release"], r["tied"], setting(r))
             groups.setdefault(key, {}).setdefault(r["config"], []).append(r)
     rows = ["| shape, megatron-core, embeddings | setting | configuration | rounds | tokens/s per GPU (rounds' range) "
-            "| TFLOP/s per GPU | step ms | allocated / max allocated GiB | gemm-patch's tokens/s over this one's "
+            f"| TFLOP/s per GPU | step ms (iterations {STEADY_FROM}-) | allocated / max allocated GiB "
+            "| gemm-patch's tokens/s over this one's "
             "| gain over fusion off: measured / bound (ms; % of step) |",
             "|---|---|---|---|---|---|---|---|---|---|"]
     med = statistics.median
@@ -543,19 +579,19 @@ def shape_table(records: list[dict[str, Any]]) -> str:
         patched = configs.get("patched")
         for config in sorted(configs, key=lambda c: (ALTERNATIVES + tuple(CONFIGS)).index(c)):
             rs = configs[config]
-            tokens, step = med(r["tokens_per_s"] for r in rs), med(r["step_ms"] for r in rs)
+            each = [steady_tokens_per_s(r) for r in rs]
+            tokens, step = med(each), med(steady_step_ms(r) for r in rs)
             flops = [r["tflops"] for r in rs if r.get("tflops") is not None]
-            ratio = (f"{med(r['tokens_per_s'] for r in patched) / tokens:.3f}" if patched and config != "patched"
-                     else "-")
+            ratio = (f"{med(steady_tokens_per_s(r) for r in patched) / tokens:.3f}"
+                     if patched and config != "patched" else "-")
             gain = "-"
             off = configs.get("fusion_off")
             bandwidth = BANDWIDTH.get(rs[0].get("device") or "")
             if config == "patched" and off and bandwidth:
-                saved = med(r["step_ms"] for r in off) - step
+                saved = med(steady_step_ms(r) for r in off) - step
                 bound = fusion_saved_bytes(SIZES[shape]) / bandwidth * 1000.0
                 gain = f"{saved:.1f} / {bound:.1f} ({100 * saved / step:.1f}% / {100 * bound / step:.1f}%)"
             memory = f"{max(r['allocated_gib'] for r in rs):.2f} / {max(r['max_allocated_gib'] for r in rs):.2f}"
-            each = [r["tokens_per_s"] for r in rs]
             spread = f" ({min(each):,.0f}-{max(each):,.0f})" if len(rs) > 1 else ""
             rows.append(f"| {shape}, {release}, {'tied' if tied else 'untied'} | {where} | {config} | {len(rs)} | "
                         f"{tokens:,.0f}{spread} | {f'{med(flops):.1f}' if flops else '-'} | {step:.1f} | {memory} | "
@@ -693,7 +729,7 @@ def main(argv: list[str] | None = None) -> int:
         snapshot = profile_dir / SNAPSHOT if a.memory_history else None
         rec = record(cell, rnd, a.size, iters, command, config_env, rc, seconds, logs / f"{name}.log", a.manual_gc,
                      trace, a.cpus, device, a.strategy, snapshot, a.log_interval)
-        rec["gpu_clocks"] = clocks.summary()
+        rec["gpu_clocks"] = clocks.summary((logs / f"{name}.log").read_text(errors="replace"))
         if a.note:
             rec["note"] = a.note
         for kept in (trace, snapshot):

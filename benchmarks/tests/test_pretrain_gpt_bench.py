@@ -168,7 +168,7 @@ def test_chart(tmp_path):
 def test_the_tokens_chart_keeps_log_intervals_apart_and_leaves_out_profiled_runs():
     from benchmarks import plot_pretrain_gpt_bench as plot
 
-    records = [rec("patched", 1, 700.0), rec("patched", 2, 710.0, log_interval=1),
+    records = [rec("patched", 1, 700.0), rec("patched", 2, 710.0, log_interval=1, step_ms_intervals=[710.0] * 20),
                rec("patched", 3, 900.0, profile={"steps": 2}), rec("patched", 4, 950.0, memory_history=True)]
     panels = plot.shapes(records)
     assert [key[-1] for key in panels] == [1, bench.LOG_INTERVAL]
@@ -383,6 +383,7 @@ def rec(config: str, rnd: int, ms: float, alloc: float = 20.0, **extra) -> dict:
     size = bench.SIZES["llama3.2-1b"]
     return {"size": "llama3.2-1b", "hidden": 2048, "release": "0.19.2", "tied": True, "config": config,
             "round": rnd, "rc": 0, "step_ms": ms, "tokens_per_s": size["gbs"] * size["seq"] * 1000.0 / ms,
+            "step_ms_intervals": [3000.0, 1200.0, ms, ms, ms], "iterations": 20,  # logged every 5: 1, 5, ..., 20
             "tflops": 400.0, "allocated_gib": alloc, "max_allocated_gib": alloc + 10,
             "device": "NVIDIA H100 80GB HBM3", "finished": "2026-12-07T05:00:00Z", "seconds": 30.0, **extra}
 
@@ -406,8 +407,25 @@ def test_shape_table_ratios_and_the_bound():
     spread = bench.shape_table([rec("patched", 1, 700.0), rec("patched", 2, 800.0), rec("patched", 3, 750.0),
                                 rec("fusion_off", 1, 760.0)])
     tokens = [line.split("|")[5].strip() for line in spread.splitlines()[2:]]
+    phased = bench.shape_table([rec("patched", 1, 700.0, step_ms_intervals=[3000.0, 1200.0, 700.0, 700.0, 1000.0])])
+    cells = [c.strip() for c in phased.splitlines()[2].split("|")]
+    assert cells[7] == "800.0" and cells[5] == f"{4 * 8192 * 1000 / 800:,.0f}"  # the run's time, not its median line
     assert tokens == [f"{4 * 8192 * 1000 / 760:,.0f}",  # one round: no range
                       f"{4 * 8192 * 1000 / 750:,.0f} ({4 * 8192 * 1000 / 800:,.0f}-{4 * 8192 * 1000 / 700:,.0f})"]
+
+
+def test_the_steady_step_is_the_time_of_iterations_6_on_over_their_count():
+    # logged every 5 (made before the iterations were recorded): lines at 1, 5, 10, 15, 20
+    assert bench.steady_step_ms({"step_ms_intervals": [9000.0, 3000.0, 700.0, 800.0, 900.0], "iterations": 20}) == 800.0
+    # every iteration, in phases: the median (fast phase) is not the run's rate; the mean is
+    phases = [4000.0, 2700.0, 1400.0, 1400.0, 1400.0, *[1400.0] * 8, *[1900.0] * 7]
+    every = {"step_ms_intervals": phases, "step_ms_iterations": list(range(1, 21)), "iterations": 20}
+    assert bench.steady_step_ms(every) == round((8 * 1400.0 + 7 * 1900.0) / 15, 2)
+    assert bench.steady_tokens_per_s({**every, "size": "llama3.2-3b"}) == pytest.approx(
+        4 * 4096 * 1000.0 / ((8 * 1400.0 + 7 * 1900.0) / 15), rel=1e-5)
+    # a run cut off before iteration 6, or lines that do not match its iteration count: no steady step
+    assert bench.steady_step_ms({"step_ms_intervals": [9000.0, 3000.0], "iterations": 5}) is None
+    assert bench.steady_step_ms({"step_ms_intervals": [9000.0, 3000.0, 700.0], "iterations": 20}) is None
 
 
 def test_gemm_weights_of_a_llama_layer():

@@ -332,6 +332,7 @@ def test_the_gpu_clock_is_read_beside_each_process(upstream, monkeypatch, capsys
     assert code == 0 and clocks["busy_samples"] == clocks["samples"] - 1 >= 2  # the idle line is left out
     assert clocks["sm_mhz_min"] == 1410 and clocks["sm_mhz_rated_max"] == 1980 and clocks["power_w_max"] == 699.0
     assert clocks["power_limit_w"] == 700.0 and clocks["temperature_c_max"] == 66
+    assert [it for it, _, _ in clocks["by_iteration"]] == [5, 10]  # read against the process's log (lines 1, 5, 10)
     asked = (upstream / "smi_args").read_text()
     assert "--query-gpu=timestamp,utilization.gpu,clocks.sm," in asked and "-i 3 -lms 500" in asked
     assert "SM MHz=" in capsys.readouterr().out
@@ -346,6 +347,19 @@ def test_gpu_clock_readings_without_a_busy_or_valid_line():
     said = gpu_clocks.summarise("Field \"clocks.max.sm\" is not a valid field to query.\n")
     assert said == {"error": 'nvidia-smi gave no reading: Field "clocks.max.sm" is not a valid field to query.'}
     assert gpu_clocks.summarise(stamp + "100, [N/A], 1980, 650.5, 700.00, 61\n")["error"].startswith("nvidia-smi")
+
+
+def test_the_clock_beside_each_logged_iteration():
+    from benchmarks import gpu_clocks
+
+    log = "\n".join(f" [2026-12-07 17:00:0{s}.000000] iteration {it:8d}/      20 | elapsed time per iteration "
+                    "(ms): 1.0 |" for s, it in ((1, 1), (3, 2), (5, 3)))
+    samples = "\n".join(f"2026/12/07 17:00:0{s}.{ms}, 100, {mhz}, 1980, {w}, 700.00, 60" for s, ms, mhz, w in (
+        (0, 500, 345, 70.0), (2, "000", 1980, 690.0), (2, 500, 1970, 700.0), (4, "000", 1410, 650.0)))
+    # iteration 2 ran from 17:00:01 to :03 (two samples), iteration 3 from :03 to :05 (one); none before iteration 1
+    assert gpu_clocks.by_iteration(log, samples) == [[2, 1975.0, 695.0], [3, 1410.0, 650.0]]
+    assert gpu_clocks.by_iteration(log, "") == [[2, None, None], [3, None, None]]
+    assert gpu_clocks.by_iteration("no iteration line", samples) == []
 
 
 def test_no_nvidia_smi_no_gpu_clock(upstream, monkeypatch):

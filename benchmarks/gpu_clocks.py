@@ -37,38 +37,43 @@ def gpu_index() -> str:
     return first if first.isdigit() else "0"
 
 
-def by_iteration(log_text: str, samples_text: str) -> list[list[float | None]]:
-    """[iteration, median SM MHz, median W] over the samples taken since the previous logged iteration
-    line (None where none fell there): the clock beside each logged interval's time."""
-    ends = [(int(m.group(2)), datetime.datetime.fromisoformat(m.group(1)))
-            for m in ITERATION_END.finditer(log_text)]
-    samples = []
-    for line in samples_text.splitlines():
-        cells = [c.strip() for c in line.split(",")]
-        try:
-            samples.append((datetime.datetime.strptime(cells[0], SAMPLE_TIME), float(cells[2]), float(cells[4])))
-        except (ValueError, IndexError):
-            continue
-    out: list[list[float | None]] = []
-    for (_, start), (iteration, end) in itertools.pairwise(ends):
-        inside = [(sm, watts) for t, sm, watts in samples if start < t <= end]
-        out.append([iteration, statistics.median(sm for sm, _ in inside) if inside else None,
-                    round(statistics.median(w for _, w in inside), 1) if inside else None])
-    return out
-
-
-def summarise(text: str) -> dict[str, Any]:
-    """nvidia-smi's CSV lines (FIELDS, no header, no units) -> medians and extremes over the busy samples
-    (the timestamp stays in the CSV file for lining samples up with iterations)."""
+def readings(text: str) -> list[dict[str, Any]]:
+    """nvidia-smi's CSV lines (FIELDS, no header, no units), each a dict with the sample's time (None where
+    it reads otherwise); a line with "[N/A]" or a message instead of numbers is left out."""
     rows = []
     for line in text.splitlines():
         cells = [c.strip() for c in line.split(",")]
         if len(cells) != len(FIELDS):
             continue
         try:
-            rows.append(dict(zip(FIELDS[1:], map(float, cells[1:]), strict=True)))
-        except ValueError:  # "[N/A]" or a message instead of a number
+            row: dict[str, Any] = dict(zip(FIELDS[1:], map(float, cells[1:]), strict=True))
+        except ValueError:
             continue
+        try:
+            row["time"] = datetime.datetime.strptime(cells[0], SAMPLE_TIME)
+        except ValueError:
+            row["time"] = None
+        rows.append(row)
+    return rows
+
+
+def by_iteration(log_text: str, samples_text: str) -> list[list[float | None]]:
+    """[iteration, median SM MHz, median W] over the samples taken since the previous logged iteration
+    line (None where none fell there): the clock beside each logged interval's time."""
+    ends = [(int(m.group(2)), datetime.datetime.fromisoformat(m.group(1)))
+            for m in ITERATION_END.finditer(log_text)]
+    samples = readings(samples_text)
+    out: list[list[float | None]] = []
+    for (_, start), (iteration, end) in itertools.pairwise(ends):
+        inside = [r for r in samples if r["time"] is not None and start < r["time"] <= end]
+        out.append([iteration, statistics.median(r["clocks.sm"] for r in inside) if inside else None,
+                    round(statistics.median(r["power.draw"] for r in inside), 1) if inside else None])
+    return out
+
+
+def summarise(text: str) -> dict[str, Any]:
+    """readings() -> medians and extremes over the busy samples."""
+    rows = readings(text)
     if not rows:
         first = text.strip().splitlines()[0] if text.strip() else "no output"
         return {"error": f"nvidia-smi gave no reading: {first[:200]}"}

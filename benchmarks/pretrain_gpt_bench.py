@@ -88,8 +88,7 @@ SIZES: dict[str, dict[str, int]] = {
     "hidden2048": {"layers": 4, "hidden": 2048, "ffn": 8192, "heads": 16, "seq": 2048, "mbs": 2, "gbs": 8,
                    "vocab": 384, "iters": 100},
     # Llama 3.2's shapes at full depth (GQA, SwiGLU, RMSNorm, RoPE base 500000, no biases, no dropout).
-    # They log every iteration's time: the step is then the median of 19 iterations, not of the four
-    # 5-iteration means that 20 iterations give, one of which still holds the warm-up.
+    # They log every iteration's time, so a run's rate (steady_step_ms) and any drift within it can be read.
     "llama3.2-1b": {"layers": 16, "hidden": 2048, "ffn": 8192, "heads": 32, "query_groups": 8, "seq": 8192,
                     "mbs": 1, "gbs": 4, "vocab": 128256, "iters": 20, "log_interval": 1},
     # Its weights, fp32 main grads and Adam states (18 bytes a parameter) and its activations do not

@@ -13,8 +13,9 @@ the doc is touched. validation/tests/test_evidence_tables.py fails when a table 
   (benchmarks/results/pretrain_gpt_*.jsonl of the list below), as pretrain_gpt_bench's summary computes it.
 * ``shapes``: the Llama 3.2 shapes (benchmarks/results/shapes_*.jsonl), every alternative's tokens per
   second, TFLOP/s, step and memory, and the bound (pretrain_gpt_bench.shape_table).
-* ``memory-peak``: the runs of those records made with the allocator's history, where the step's
-  peak falls and what is alive there (memory_peak.peak_table).
+* ``memory-peak``: the runs made with the allocator's history (the shapes', and the hidden-4096
+  model's in pretrain_gpt_memory_history_h100.jsonl), where the step's peak falls and what is alive
+  there (memory_peak.peak_table).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ SPEED = [ROOT / "benchmarks" / "results" / name for name in
           "pretrain_gpt_optim_grads_h100.jsonl", "pretrain_gpt_lookup_writer_h100.jsonl",
           "pretrain_gpt_lookup_writer_h200.jsonl", "pretrain_gpt_lookup_writer_profile_h100.jsonl")]
 SHAPES = sorted((ROOT / "benchmarks" / "results").glob("shapes_*.jsonl"))
+MEMORY = [*SHAPES, ROOT / "benchmarks" / "results" / "pretrain_gpt_memory_history_h100.jsonl"]
 MODEL = {"convergence": "dense", "seeds": "dense", "moe": "MoE"}
 
 
@@ -94,9 +96,9 @@ def shapes_table() -> str:
 
 
 def memory_peak_table() -> str:
-    records = [r for path in SHAPES for r in read_records(path) if r.get("memory_history")]
+    records = [r for path in MEMORY for r in read_records(path) if r.get("memory_history")]
     if not records:
-        return "No run with the allocator's history is committed yet (benchmarks/results/shapes_*.jsonl).\n"
+        return "No run with the allocator's history is committed yet.\n"
     return peak_table(records, top=6)
 
 

@@ -88,16 +88,21 @@ def main(src: str, dst: str) -> int:
     return 0
 
 
-def shapes(records: list[dict[str, Any]]) -> dict[tuple[str, str, bool, str, int], dict[str, list[float]]]:
-    """(shape, release, tied, GPU, log interval) -> configuration -> tokens/s of each finished round, timing runs
-    only (neither the allocator's history nor the profiler): runs of two log intervals never share a bar."""
-    out: dict[tuple[str, str, bool, str, int], dict[str, list[float]]] = {}
+Panel = tuple[str, str, bool, str, int, int | None, str | None]
+
+
+def shapes(records: list[dict[str, Any]]) -> dict[Panel, dict[str, list[float]]]:
+    """(shape, release, tied, GPU, log interval, collector interval, CPU pinning) -> configuration -> tokens/s of
+    each finished round, timing runs only (neither the allocator's history nor the profiler): runs of two settings
+    never share a bar."""
+    out: dict[Panel, dict[str, list[float]]] = {}
     for r in records:
         if (r["rc"] == 0 and steady_tokens_per_s(r) and not r.get("memory_history") and not r.get("profile")
                 and not str(r.get("size", "hidden")).startswith("hidden")):
-            key = (r["size"], r["release"], r["tied"], r.get("device") or "?", r.get("log_interval", LOG_INTERVAL))
+            key = (r["size"], r["release"], r["tied"], r.get("device") or "?", r.get("log_interval", LOG_INTERVAL),
+                   r.get("manual_gc_interval"), r.get("cpus"))
             out.setdefault(key, {}).setdefault(r["config"], []).append(steady_tokens_per_s(r))
-    return dict(sorted(out.items()))
+    return dict(sorted(out.items(), key=lambda item: tuple((v is not None, v or 0) for v in item[0])))  # None first
 
 
 def tokens_chart(sources: list[str], dst: str) -> int:
@@ -113,7 +118,7 @@ def tokens_chart(sources: list[str], dst: str) -> int:
     fig, axes = plt.subplots(1, len(panels), figsize=(max(7.0, 3.6 * len(panels) + 1), 4.5), squeeze=False,
                              constrained_layout=True)
     order = list(LABELS)
-    for ax, ((shape, release, tied, device, interval), configs) in zip(axes[0], panels.items(), strict=True):
+    for ax, ((shape, release, tied, device, interval, gc, cpus), configs) in zip(axes[0], panels.items(), strict=True):
         names = sorted(configs, key=lambda c: order.index(c) if c in order else len(order))
         medians = [statistics.median(configs[c]) for c in names]
         ax.bar(range(len(names)), medians, color=["#d98" if c == "patched" else "#9ab" for c in names], width=0.6)
@@ -125,7 +130,8 @@ def tokens_chart(sources: list[str], dst: str) -> int:
         ax.set_xticks(range(len(names)), [LABELS.get(c, c).replace("\n", " ") for c in names], fontsize=7,
                       rotation=20)
         ax.set_ylabel(f"tokens per second per GPU, iterations {STEADY_FROM}- (median of rounds)", fontsize=8)
-        logged = f", log every {interval}" if interval != LOG_INTERVAL else ""
+        logged = (f", log every {interval}" if interval != LOG_INTERVAL else "") + (f", gc every {gc}" if gc else "") \
+            + (f", cpus {cpus}" if cpus else "")
         ax.set_title(f"{shape}, {'tied' if tied else 'untied'}, megatron-core {release}\n{device}{logged}", fontsize=9)
     fig.suptitle("Megatron-LM pretrain_gpt.py, Megatron-FSDP, one GPU\nfp32 main grads (bf16 grads: bf16); "
                  "dots: rounds", fontsize=10)

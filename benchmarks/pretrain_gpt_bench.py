@@ -619,12 +619,14 @@ def recorded_runs(records: list[dict[str, Any]], a: argparse.Namespace, iters: i
                   device: str | None) -> set[tuple[int, tuple[str, bool, str]]]:
     """(round, cell) of the finished records made as this run would make them: on this GPU (on any,
     for --dry, which asks no GPU), with the same shape, strategy, iterations, log interval, memory history,
-    profiler and note (a record from before the log interval was recorded logged every LOG_INTERVAL)."""
+    profiler, collector, CPU pinning and note (a record from before the log interval was recorded logged every
+    LOG_INTERVAL): a run of another setting is another row of the tables, never a stand-in for this one."""
     return {(r["round"], (r["release"], r["tied"], r["config"])) for r in records
             if r["rc"] == 0 and r["step_ms"] is not None and r.get("size") == a.size
             and r.get("strategy", STRATEGIES[0]) == a.strategy and r.get("iterations") == iters
             and bool(r.get("memory_history")) == a.memory_history and r.get("note") == a.note
             and bool(r.get("profile")) == bool(a.profile)
+            and r.get("manual_gc_interval") == a.manual_gc and r.get("cpus") == a.cpus
             and r.get("log_interval", LOG_INTERVAL) == a.log_interval
             and (a.dry or r.get("device") == device)}
 

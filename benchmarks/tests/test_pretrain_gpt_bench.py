@@ -165,14 +165,16 @@ def test_chart(tmp_path):
     assert (tmp_path / "chart.png").stat().st_size > 10_000
 
 
-def test_the_tokens_chart_keeps_log_intervals_apart_and_leaves_out_profiled_runs():
+def test_the_tokens_chart_keeps_settings_apart_and_leaves_out_profiled_runs():
     from benchmarks import plot_pretrain_gpt_bench as plot
 
     records = [rec("patched", 1, 700.0), rec("patched", 2, 710.0, log_interval=1, step_ms_intervals=[710.0] * 20),
-               rec("patched", 3, 900.0, profile={"steps": 2}), rec("patched", 4, 950.0, memory_history=True)]
+               rec("patched", 3, 900.0, profile={"steps": 2}), rec("patched", 4, 950.0, memory_history=True),
+               rec("patched", 5, 720.0, manual_gc_interval=100), rec("patched", 6, 730.0, cpus="0-7")]
     panels = plot.shapes(records)
-    assert [key[-1] for key in panels] == [1, bench.LOG_INTERVAL]
-    assert [len(configs["patched"]) for configs in panels.values()] == [1, 1]
+    assert [key[4:] for key in panels] == [(1, None, None), (bench.LOG_INTERVAL, None, None),
+                                           (bench.LOG_INTERVAL, None, "0-7"), (bench.LOG_INTERVAL, 100, None)]
+    assert [len(configs["patched"]) for configs in panels.values()] == [1, 1, 1, 1]
 
 
 def test_compare_runs_gemm_patch_compare_on_pretrain_gpt(upstream, capsys):
@@ -380,6 +382,17 @@ def test_a_profiled_record_is_not_resumed_nor_compared_with_an_unprofiled_one(up
     assert table.count(" | patched | ") == 2 and ", profiled" in table  # the profiler's overhead in one row only
     code, records = run_bench(upstream, "core", "--resume")
     assert code == 0 and len(records) == 4  # both settings recorded: nothing runs again
+
+
+def test_a_record_of_another_collector_or_cpu_pinning_is_not_resumed(upstream):
+    code, records = run_bench(upstream, "core")
+    assert code == 0 and [r["manual_gc_interval"] for r in records] == [None, None]
+    code, records = run_bench(upstream, "core", "--resume", "--manual-gc", "100")
+    assert code == 0 and [r["manual_gc_interval"] for r in records] == [None, None, 100, 100]
+    code, records = run_bench(upstream, "core", "--resume", "--cpus", "0")
+    assert code == 0 and [r["cpus"] for r in records[4:]] == ["0", "0"]
+    code, records = run_bench(upstream, "core", "--resume", "--manual-gc", "100")
+    assert code == 0 and len(records) == 6  # each setting recorded once: nothing runs again
 
 
 LINE = (" [2026-12-07 05:00:00.000000] iteration {it:8d}/      10 | consumed samples: 4 | elapsed time per iteration "

@@ -40,8 +40,10 @@ Configurations (``config`` in the records): ``fusion_off`` (``--no-gradient-accu
 megatron alone: needs apex's wgrad kernel), ``no_<switch>`` (patched with one fix
 off: ``GEMM_PATCH_SHARED_GRAD=0``, ``GEMM_PATCH_TE_OVERWRITE=0``, ``GEMM_PATCH_FSDP_DUMMY_GRAD=0``,
 ``GEMM_PATCH_TE_DUMMY_WGRAD=0``, ``GEMM_PATCH_EMBEDDING_WGRAD=0``), ``fixes_off`` (patched with every
-correctness fix off: shared grad, TE overwrite, one-rank scale); tied (pretrain_gpt's default) or untied
-(``--untie-embeddings-and-output-weights``).
+correctness fix off: shared grad, TE overwrite, one-rank scale), ``patched_baseline`` (fusion on under
+another version's gemm_patch, the folder ``--baseline-tree`` names, first on the path: a change against
+the version before it, in the same rounds on one machine; only where the plan names it, never by ``*``);
+tied (pretrain_gpt's default) or untied (``--untie-embeddings-and-output-weights``).
 
 ``--plan``: comma-separated cells ``RELEASE:tied|untied:CONFIG`` (``*`` for any) or named sets
 (PLANS: ``core``, ``untied``, ``fixes``, ``release-0.17.1``, ``full``, ``alternatives``,
@@ -115,7 +117,12 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # persistent buffers): what fusion alone gains, the floor the fixes' cost is measured from.
     "fixes_off": {"env": {"GEMM_PATCH_SHARED_GRAD": "0", "GEMM_PATCH_TE_OVERWRITE": "0",
                           "GEMM_PATCH_ONE_RANK_SCALE": "0"}, "args": []},
+    # Fusion on under another version of gemm_patch (--baseline-tree), beside this checkout's in the same
+    # rounds: whether a change moved the step, on one machine, rather than between machines.
+    "patched_baseline": {"env": {}, "args": []},
 }
+# Configurations a wildcard in --plan never matches: they need more than the plan (--baseline-tree).
+NAMED_ONLY = ("patched_baseline",)
 STRATEGIES = ("optim_grads_params", "optim_grads", "optim", "no_shard")
 RELEASES = ("0.19.2", "0.17.1")
 PLANS = {
@@ -157,7 +164,8 @@ def cells(plan: str) -> list[tuple[str, bool, str]]:
             if len(parts) != 3:
                 raise SystemExit(f"--plan: {item!r} is neither a named plan ({', '.join(PLANS)}) nor "
                                  "RELEASE:tied|untied:CONFIG")
-            hits = [cell for cell in every if all(fnmatch.fnmatchcase(v, p) for v, p in zip(cell, parts, strict=True))]
+            hits = [cell for cell in every if all(fnmatch.fnmatchcase(v, p) for v, p in zip(cell, parts, strict=True))
+                    and (cell[2] not in NAMED_ONLY or cell[2] == parts[2])]
             if not hits:
                 raise SystemExit(f"--plan: {pattern!r} matches no cell; releases {', '.join(RELEASES)}, "
                                  f"tied or untied, configs {', '.join(CONFIGS)}")
@@ -243,10 +251,13 @@ def process(cell: tuple[str, bool, str], size: dict[str, int], iters: int, opts:
     return command, dict(CONFIGS[config]["env"]), Path(opts.upstream) / release
 
 
-def environment(release: str, kit: str | None, config_env: dict[str, str]) -> dict[str, str]:
+def environment(release: str, kit: str | None, config_env: dict[str, str],
+                tree: str | None = None) -> dict[str, str]:
+    """The process's environment: the kit's megatron-core and packages, then TREE's gemm_patch where given
+    (patched_baseline), then this checkout's."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("GEMM_PATCH") and k != "CUDA_DEVICE_MAX_CONNECTIONS"}
-    path = [str(ROOT)]
+    path = [*([tree] if tree else []), str(ROOT)]
     if kit:
         path = [f"{kit}/mc{release.replace('.', '')}", f"{kit}/site", *path]
     elif env.get("PYTHONPATH"):
@@ -627,6 +638,7 @@ def recorded_runs(records: list[dict[str, Any]], a: argparse.Namespace, iters: i
             and bool(r.get("memory_history")) == a.memory_history and r.get("note") == a.note
             and bool(r.get("profile")) == bool(a.profile)
             and r.get("manual_gc_interval") == a.manual_gc and r.get("cpus") == a.cpus
+            and r.get("baseline_tree") == (a.baseline_tree if r["config"] == "patched_baseline" else None)
             and r.get("log_interval", LOG_INTERVAL) == a.log_interval
             and (a.dry or r.get("device") == device)}
 
@@ -664,6 +676,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--logs", type=Path, help="per-process logs (default: OUT's folder/logs)")
     p.add_argument("--proc-limit", type=float, default=150.0, help="seconds per process")
     p.add_argument("--deadline", type=float, default=540.0, help="no process starts after this many seconds")
+    p.add_argument("--baseline-tree", metavar="DIR",
+                   help="another version's gemm_patch for configuration patched_baseline: DIR holds its gemm_patch "
+                        "package (git archive COMMIT gemm_patch | tar x -C DIR)")
     p.add_argument("--note", help="a line every record of this run carries (e.g. the gemm_patch commit measured)")
     p.add_argument("--resume", action="store_true",
                    help="skip each (round, cell) --out already holds a finished record of, made on this GPU with the "
@@ -690,6 +705,11 @@ def main(argv: list[str] | None = None) -> int:
     if a.profile and a.profile[1] > iters:
         p.error(f"--profile {a.profile[0]}:{a.profile[1]}: END must be at most --iters ({iters})")
     runs = schedule(cells(a.plan), a.rounds, a.first_round)
+    if any(cell[2] == "patched_baseline" for _, cell in runs) and not (
+            a.baseline_tree and (Path(a.baseline_tree) / "gemm_patch" / "__init__.py").is_file()):
+        p.error(f"--plan names patched_baseline: --baseline-tree {a.baseline_tree or '(not given)'} must be a folder "
+                "holding another version's gemm_patch package (DIR/gemm_patch/__init__.py), e.g. from "
+                "git archive COMMIT gemm_patch | tar x -C DIR")
     if not a.dry and not a.out:
         p.error("--out is required (or --dry)")
     logs = a.logs or (a.out.parent / "logs" if a.out else Path("logs"))
@@ -704,8 +724,9 @@ def main(argv: list[str] | None = None) -> int:
         name = f"{a.size}{strategy}_{release}_{'tied' if tied else 'untied'}_{config}_r{rnd}"
         profile_dir = logs.resolve() / f"{name}_profile"  # the command runs in the release's folder
         command, config_env, cwd = process(cell, size, iters, a, profile_dir)
+        tree = a.baseline_tree if config == "patched_baseline" else None
         shown = " ".join([f"cd {shlex.quote(str(cwd))} &&", *(f"{k}={v}" for k, v in config_env.items()),
-                          shlex.join(command)])
+                          shlex.join(command)]) + (f"  # gemm_patch from {tree}" if tree else "")
         if (rnd, cell) in recorded:
             print(f"== {name}: recorded in {a.out} already, skipped (--resume)", flush=True)
             continue
@@ -724,13 +745,14 @@ def main(argv: list[str] | None = None) -> int:
         if a.memory_history:  # megatron opens the snapshot's path as it is
             profile_dir.mkdir(parents=True, exist_ok=True)
         with gpu_clocks.GpuClocks(logs / f"{name}.gpu.csv") as clocks:
-            rc, seconds = run_one(command, environment(release, a.kit, config_env), cwd, logs / f"{name}.log",
-                                  a.proc_limit)
+            rc, seconds = run_one(command, environment(release, a.kit, config_env, tree), cwd,
+                                  logs / f"{name}.log", a.proc_limit)
         trace = profile_dir / "torch_profile" / "rank-0.json.gz" if a.profile else None
         snapshot = profile_dir / SNAPSHOT if a.memory_history else None
         rec = record(cell, rnd, a.size, iters, command, config_env, rc, seconds, logs / f"{name}.log", a.manual_gc,
                      trace, a.cpus, device, a.strategy, snapshot, a.log_interval)
         rec["gpu_clocks"] = clocks.summary((logs / f"{name}.log").read_text(errors="replace"))
+        rec["baseline_tree"] = tree
         if a.note:
             rec["note"] = a.note
         for kept in (trace, snapshot):

@@ -77,11 +77,13 @@ def speed_table() -> str:
             "|---|---|---|---|---|---|---|---|---|"]
     for c in cells:
         ref = off.get((c["model"], c["release"], c["tied"], c["setting"]))
-        if c["config"] != "patched" or ref is None:
+        if c["config"] not in ("patched", "patched_baseline") or ref is None:
             continue
+        setting = c["setting"] + (", another version's gemm_patch (--baseline-tree)"
+                                  if c["config"] == "patched_baseline" else "")
         step = c["step ms (median; each round)"].split(" ")[0]
         ref_step = ref["step ms (median; each round)"].split(" ")[0]
-        rows.append(f"| {c['model']}, {c['release']}, {c['tied']} | {c['setting']} | {c['rounds']} | "
+        rows.append(f"| {c['model']}, {c['release']}, {c['tied']} | {setting} | {c['rounds']} | "
                     f"{step} / {ref_step} | {c['vs fusion off']} | {c['same round (pairs: range)']} | "
                     f"{c['vs fixes off, same round']} | {c['iteration 1 ms, after another process (- fusion off)']} | "
                     f"{c['allocated - fusion off']}, {c['max allocated - fusion off']} |")

@@ -23,7 +23,7 @@ FAKE = ROOT / "tests" / "probes" / "fake_pretrain.py"
 def test_the_full_plan_is_the_issue_set_and_the_order_turns_each_round():
     full = bench.cells("full")
     assert len(full) == 15 and len(set(full)) == 15
-    assert {c for r, t, c in full if r == "0.19.2" and t} == set(bench.CONFIGS) - {"bf16_upstream"}
+    assert {c for r, t, c in full if r == "0.19.2" and t} == set(bench.CONFIGS) - {"bf16_upstream", "patched_baseline"}
     assert {(r, t, c) for r, t, c in full if r == "0.17.1"} == {
         ("0.17.1", t, c) for t in (True, False) for c in ("fusion_off", "patched")}
     assert bench.cells("0.19.2:*:patched,core") == [("0.19.2", True, "patched"), ("0.19.2", False, "patched"),
@@ -382,6 +382,28 @@ def test_a_profiled_record_is_not_resumed_nor_compared_with_an_unprofiled_one(up
     assert table.count(" | patched | ") == 2 and ", profiled" in table  # the profiler's overhead in one row only
     code, records = run_bench(upstream, "core", "--resume")
     assert code == 0 and len(records) == 4  # both settings recorded: nothing runs again
+
+
+def test_patched_baseline_runs_the_other_trees_gemm_patch_and_only_where_named(upstream, capsys):
+    assert "patched_baseline" not in {c for _, _, c in bench.cells("0.19.2:tied:*")}
+    with pytest.raises(SystemExit):
+        run_bench(upstream, "0.19.2:tied:patched_baseline")
+    said = capsys.readouterr().err
+    assert "--baseline-tree (not given) must be a folder holding another version's gemm_patch" in said
+    tree = upstream / "before"
+    shutil.copytree(ROOT / "gemm_patch", tree / "gemm_patch", ignore=shutil.ignore_patterns("__pycache__"))
+    both = "0.19.2:tied:patched,0.19.2:tied:patched_baseline"
+    code, records = run_bench(upstream, both, "--baseline-tree", str(tree))
+    assert code == 0 and [(r["config"], r["baseline_tree"]) for r in records] == [("patched", None),
+                                                                                 ("patched_baseline", str(tree))]
+    ran = [json.loads(line) for line in (upstream / "argv.jsonl").read_text().splitlines()]
+    assert [Path(r["startup"]).is_relative_to(tree) for r in ran] == [False, True] and all(r["patched"] for r in ran)
+    code, records = run_bench(upstream, "0.19.2:tied:patched_baseline", "--resume", "--baseline-tree", str(tree))
+    assert code == 0 and len(records) == 2  # the same tree: recorded already
+    other = upstream / "other"
+    shutil.copytree(tree, other)
+    code, records = run_bench(upstream, "0.19.2:tied:patched_baseline", "--resume", "--baseline-tree", str(other))
+    assert code == 0 and records[-1]["baseline_tree"] == str(other)  # another tree is another run
 
 
 def test_a_record_of_another_collector_or_cpu_pinning_is_not_resumed(upstream):

@@ -44,7 +44,8 @@ fused ones 1e-6 off, the second step 1e-3 off where ``GEMM_PATCH_GRAD_PROBE_PERT
 the first), with the fusion setting the model ran with and the iteration, as megatron's arguments
 give it (``FAKE_PRETRAIN_PROBE=no_iteration``: not, as under Megatron-Bridge).
 ``FAKE_PRETRAIN_NO_FIRST_LINE=1`` logs from the first full log interval on, as Megatron-Bridge does.
-``FAKE_PRETRAIN_ARGV=FILE`` appends this process's argv and state to FILE.
+``FAKE_PRETRAIN_ARGV=FILE`` appends this process's argv and state to FILE (with the file of the gemm_patch
+start-up hook that started it).
 With megatron's ``--use-pytorch-profiler``, it writes a profiler trace where megatron does (the
 parent of ``--tensorboard-dir``/torch_profile/rank-0.json.gz): a ``ProfilerStep#N`` range per
 profiled iteration, each with one GEMM kernel of 120 us fusion off, 100 us fused.
@@ -140,7 +141,9 @@ def main(argv: list[str]) -> int:
             with open(os.environ["FAKE_PRETRAIN_ARGV"]) as f:
                 run_index = len(f.readlines())
         with open(os.environ["FAKE_PRETRAIN_ARGV"], "a") as f:
+            startup = sys.modules.get("_gemm_patch_startup")  # which gemm_patch tree started this process
             f.write(json.dumps({"argv": argv, "fused": fused, "patched": patched,
+                                "startup": getattr(startup, "__file__", None),
                                 "env": {k: v for k, v in os.environ.items() if k.startswith("GEMM_PATCH")}}) + "\n")
     iters, interval = last_value(argv, "--train-iters", 20), last_value(argv, "--log-interval", 5)
     memory_interval = last_value(argv, "--log-memory-interval", 0)

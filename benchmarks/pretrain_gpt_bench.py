@@ -257,7 +257,7 @@ def environment(release: str, kit: str | None, config_env: dict[str, str],
     (patched_baseline), then this checkout's."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("GEMM_PATCH") and k != "CUDA_DEVICE_MAX_CONNECTIONS"}
-    path = [*([tree] if tree else []), str(ROOT)]
+    path = [*([str(Path(tree).resolve())] if tree else []), str(ROOT)]  # the process runs in the release's folder
     if kit:
         path = [f"{kit}/mc{release.replace('.', '')}", f"{kit}/site", *path]
     elif env.get("PYTHONPATH"):

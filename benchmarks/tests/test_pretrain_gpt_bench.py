@@ -384,7 +384,7 @@ def test_a_profiled_record_is_not_resumed_nor_compared_with_an_unprofiled_one(up
     assert code == 0 and len(records) == 4  # both settings recorded: nothing runs again
 
 
-def test_patched_baseline_runs_the_other_trees_gemm_patch_and_only_where_named(upstream, capsys):
+def test_patched_baseline_runs_the_other_trees_gemm_patch_and_only_where_named(upstream, capsys, monkeypatch):
     assert "patched_baseline" not in {c for _, _, c in bench.cells("0.19.2:tied:*")}
     with pytest.raises(SystemExit):
         run_bench(upstream, "0.19.2:tied:patched_baseline")
@@ -393,12 +393,13 @@ def test_patched_baseline_runs_the_other_trees_gemm_patch_and_only_where_named(u
     tree = upstream / "before"
     shutil.copytree(ROOT / "gemm_patch", tree / "gemm_patch", ignore=shutil.ignore_patterns("__pycache__"))
     both = "0.19.2:tied:patched,0.19.2:tied:patched_baseline"
-    code, records = run_bench(upstream, both, "--baseline-tree", str(tree))
+    monkeypatch.chdir(upstream)  # a folder named from where the benchmark runs, not where the process runs
+    code, records = run_bench(upstream, both, "--baseline-tree", "before")
     assert code == 0 and [(r["config"], r["baseline_tree"]) for r in records] == [("patched", None),
-                                                                                 ("patched_baseline", str(tree))]
+                                                                                 ("patched_baseline", "before")]
     ran = [json.loads(line) for line in (upstream / "argv.jsonl").read_text().splitlines()]
     assert [Path(r["startup"]).is_relative_to(tree) for r in ran] == [False, True] and all(r["patched"] for r in ran)
-    code, records = run_bench(upstream, "0.19.2:tied:patched_baseline", "--resume", "--baseline-tree", str(tree))
+    code, records = run_bench(upstream, "0.19.2:tied:patched_baseline", "--resume", "--baseline-tree", "before")
     assert code == 0 and len(records) == 2  # the same tree: recorded already
     other = upstream / "other"
     shutil.copytree(tree, other)

@@ -123,6 +123,11 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 # Configurations a wildcard in --plan never matches: they need more than the plan (--baseline-tree).
 NAMED_ONLY = ("patched_baseline",)
+
+
+def gemm_patch_tree(config: str, baseline_tree: str | None) -> str | None:
+    """The folder whose gemm_patch CONFIG runs in place of this checkout's (patched_baseline), or None."""
+    return baseline_tree if config == "patched_baseline" else None
 STRATEGIES = ("optim_grads_params", "optim_grads", "optim", "no_shard")
 RELEASES = ("0.19.2", "0.17.1")
 PLANS = {
@@ -630,15 +635,15 @@ def recorded_runs(records: list[dict[str, Any]], a: argparse.Namespace, iters: i
                   device: str | None) -> set[tuple[int, tuple[str, bool, str]]]:
     """(round, cell) of the finished records made as this run would make them: on this GPU (on any,
     for --dry, which asks no GPU), with the same shape, strategy, iterations, log interval, memory history,
-    profiler, collector, CPU pinning and note (a record from before the log interval was recorded logged every
-    LOG_INTERVAL): a run of another setting is another row of the tables, never a stand-in for this one."""
+    profiler, collector, CPU pinning, gemm_patch tree and note (a record from before the log interval was recorded
+    logged every LOG_INTERVAL): a run of another setting is another row of the tables, never a stand-in for this one."""
     return {(r["round"], (r["release"], r["tied"], r["config"])) for r in records
             if r["rc"] == 0 and r["step_ms"] is not None and r.get("size") == a.size
             and r.get("strategy", STRATEGIES[0]) == a.strategy and r.get("iterations") == iters
             and bool(r.get("memory_history")) == a.memory_history and r.get("note") == a.note
             and bool(r.get("profile")) == bool(a.profile)
             and r.get("manual_gc_interval") == a.manual_gc and r.get("cpus") == a.cpus
-            and r.get("baseline_tree") == (a.baseline_tree if r["config"] == "patched_baseline" else None)
+            and r.get("baseline_tree") == gemm_patch_tree(r["config"], a.baseline_tree)
             and r.get("log_interval", LOG_INTERVAL) == a.log_interval
             and (a.dry or r.get("device") == device)}
 
@@ -682,8 +687,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--note", help="a line every record of this run carries (e.g. the gemm_patch commit measured)")
     p.add_argument("--resume", action="store_true",
                    help="skip each (round, cell) --out already holds a finished record of, made on this GPU with the "
-                        "same shape, strategy, iterations, log interval, memory history and --note: the same command "
-                        "run again after a cut-off call finishes the plan")
+                        "same shape, strategy, iterations, log interval, memory history, profiler, collector, CPU "
+                        "pinning, gemm_patch tree and --note: the same command run again after a cut-off call "
+                        "finishes the plan")
     p.add_argument("--dry", action="store_true", help="print the commands, run nothing")
     p.add_argument("--summary", type=Path, metavar="JSONL", help="print the table of these records and exit")
     p.add_argument("--compare", action="store_true",
@@ -724,7 +730,7 @@ def main(argv: list[str] | None = None) -> int:
         name = f"{a.size}{strategy}_{release}_{'tied' if tied else 'untied'}_{config}_r{rnd}"
         profile_dir = logs.resolve() / f"{name}_profile"  # the command runs in the release's folder
         command, config_env, cwd = process(cell, size, iters, a, profile_dir)
-        tree = a.baseline_tree if config == "patched_baseline" else None
+        tree = gemm_patch_tree(config, a.baseline_tree)
         shown = " ".join([f"cd {shlex.quote(str(cwd))} &&", *(f"{k}={v}" for k, v in config_env.items()),
                           shlex.join(command)]) + (f"  # gemm_patch from {tree}" if tree else "")
         if (rnd, cell) in recorded:

@@ -15,7 +15,6 @@ version (``use_version``).
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
 import sys
 import threading
@@ -42,6 +41,7 @@ from .target import (
     Target,
     TargetStatus,
     Undo,
+    instances_of,
     public_version,
     read_states_with,
     search_with,
@@ -275,6 +275,19 @@ def _uninstall(name: str, reason: str) -> None:
         _state.statuses[name] = TargetStatus(name, st.module, REPLACED, why, st.version, st.fingerprint)
     else:
         _state.statuses[name] = TargetStatus(name, st.module, OFF, reason, st.version, st.fingerprint)
+    target = next((t for t in _targets if t.name == name), None)
+    stranded = _stranded(target) if target is not None else None
+    if stranded:
+        emit(logging.WARNING, f"{name}: taken out ({reason}), but {stranded}")
+
+
+def _stranded(target: Target) -> str | None:
+    """What ``target.left_without()`` finds, said, or None."""
+    objs = target.left_without()
+    if not objs:
+        return None
+    kinds = ", ".join(sorted({type(obj).__name__ for obj in objs}))
+    return f"{len(objs)} {kinds} built under it cannot run without it: {target.without_it}"
 
 
 def _on_exec(module: types.ModuleType) -> None:
@@ -344,7 +357,7 @@ def _search_built_before(names: set[str]) -> None:
     if not classes:
         return
     early: dict[Target, list] = {t: [] for t in classes}
-    for obj in _instances_of({c for found in classes.values() for c, _ in found}):
+    for obj in instances_of({c for found in classes.values() for c, _ in found}):
         for target, found in classes.items():
             # the newest install on a class of obj: its undo puts obj back
             undo = next((u for c, u in reversed(found) if issubclass(type(obj), c)), None)
@@ -359,20 +372,6 @@ def _search_built_before(names: set[str]) -> None:
             refused.append(f"{target.name}: {why}")
     if refused and _state.cfg is not None and _state.cfg.strict:
         raise GemmPatchError(f"{'; '.join(refused)}; refused because GEMM_PATCH_STRICT=1")
-
-
-def _instances_of(classes: set[type]) -> list:
-    """Every live instance of ``classes`` and their subclasses: the collector's referrers of
-    those classes (an instance of a class defined in Python refers to its class, and the
-    collector tracks it), one pass in C over the objects it tracks."""
-    kinds, todo = set(), list(classes)
-    while todo:
-        cls = todo.pop()
-        if cls not in kinds:
-            kinds.add(cls)
-            todo += cls.__subclasses__()
-    # type(), not __class__: a proxy's would name what it wraps
-    return [obj for obj in gc.get_referrers(*kinds) if type(obj) in kinds]
 
 
 def _look_again() -> None:
@@ -523,6 +522,10 @@ def _live_status(target: Target, cfg: config.Config | None, versions: dict[str, 
         if early:
             return TargetStatus(st.name, st.module, BYPASSED, early, st.version, st.fingerprint)
     if st.state in (OFF, REPLACED) and not _state.installs.get(target.name):
+        stranded = _stranded(target)
+        if stranded:
+            return TargetStatus(st.name, st.module, st.state, f"{st.reason}; {stranded}", st.version,
+                                st.fingerprint)
         kept = target.kept_patched()
         if kept:
             kinds = ", ".join(sorted({type(obj).__name__ for obj in kept}))

@@ -9,6 +9,7 @@ release) is in ``gemm_patch/engine/releases.json``, under its name.
 
 from __future__ import annotations
 
+import gc
 import types
 import weakref
 from collections.abc import Callable, Mapping
@@ -317,6 +318,14 @@ class Target:
         it back)."""
         return True
 
+    # What an instance in ``left_without`` meets once the patch is out, and what to do.
+    without_it = ""
+
+    def left_without(self) -> list:
+        """The live instances built under this patch that cannot run now that it is taken out
+        (their build relied on what it provided). Empty (the default)."""
+        return []
+
     def kept_patched(self) -> list:
         """The live instances built under this patch that keep running it when it is taken out
         (what it set up at their build, which cannot be swapped back exactly). Empty (the
@@ -492,3 +501,17 @@ def in_both_fsdp_packages(make: Callable[..., T], name: str, submodule: str, **f
                for k, v in fields.items()}
         return make(name=prefix + name, distribution=distribution, module=f"{package}.{submodule}", **own)
     return one("", "megatron-core", MCORE_FSDP_PACKAGE), one("m", "megatron-fsdp", "megatron_fsdp")
+
+
+def instances_of(classes: set[type]) -> list:
+    """Every live instance of ``classes`` and their subclasses: the collector's referrers of
+    those classes (an instance of a class defined in Python refers to its class, and the
+    collector tracks it), one pass in C over the objects it tracks."""
+    kinds, todo = set(), list(classes)
+    while todo:
+        cls = todo.pop()
+        if cls not in kinds:
+            kinds.add(cls)
+            todo += cls.__subclasses__()
+    # type(), not __class__: a proxy's would name what it wraps
+    return [obj for obj in gc.get_referrers(*kinds) if type(obj) in kinds]

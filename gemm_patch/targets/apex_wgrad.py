@@ -16,6 +16,7 @@ it only where apex is missing; ``0`` turns the target off.
 
 from __future__ import annotations
 
+import gc
 import importlib.machinery
 import sys
 import types
@@ -34,6 +35,7 @@ from ..engine.target import (
     Target,
     TargetStatus,
     Undo,
+    instances_of,
 )
 from .apex_analysis import find_apex_usage
 
@@ -102,6 +104,20 @@ def apex_word(st: TargetStatus | None) -> str:
     return "missing"
 
 
+# The modules the stand-in was installed on in this process (layers built there may rely on it).
+_PROVIDED: set[str] = set()
+# The layers whose constructor refuses gradient-accumulation fusion without the extension.
+FUSED_LAYERS = ("ColumnParallelLinear", "RowParallelLinear")
+
+
+def _takes_apex_path(layer: Any) -> bool:
+    """Whether ``layer``'s backward calls apex's wgrad: gradient-accumulation fusion on, for a
+    weight that is not Megatron-FSDP's (which takes the other branch)."""
+    weight = vars(layer).get("_parameters", {}).get("weight")
+    return (vars(layer).get("gradient_accumulation_fusion") is True and weight is not None
+            and not getattr(weight, "__fsdp_param__", False))
+
+
 def _real(obj: object) -> bool:
     return obj is not None and not is_stand_in(obj)
 
@@ -156,7 +172,23 @@ class ApexWgradTarget(Target):
         word = apex_word(st)
         return {"apex": (word, APEX_WORDS[word])}
 
+    without_it = ("their backward finds no fused_weight_gradient_mlp_cuda (NameError), as apex is missing; "
+                  "gemm_patch.apply() again before it, or rebuild them with gradient_accumulation_fusion off")
+
+    def left_without(self) -> list:
+        # Only after the stand-in was megatron's (a layer cannot be built with fusion on and no
+        # extension, so none exists otherwise), and only while no extension is there again.
+        module = sys.modules.get(self.module)
+        if module is None or not _PROVIDED or vars(module).get(self.extension) is not None:
+            return []
+        classes = {c for c in map(vars(module).get, FUSED_LAYERS) if isinstance(c, type)}
+        if not any(map(_takes_apex_path, instances_of(classes))):
+            return []
+        gc.collect()  # a layer dropped by its user may wait in a cycle: only live ones are said
+        return [layer for layer in instances_of(classes) if _takes_apex_path(layer)]
+
     def install(self, module: types.ModuleType, found: Inspection, undo: Undo, cfg: Config) -> str | None:
+        _PROVIDED.add(module.__name__)
         undo.set_item(sys.modules, self.extension, STAND_IN)
         undo.set(module, self.extension, STAND_IN)
         undo.set(module, self.flag, True)

@@ -130,9 +130,11 @@ def broadcast_zero(param: Any, shape: Any, dtype: Any) -> Any:
     full tensor per shape for the process (1 GiB for a 128256 x 4096 output layer) and zero-fills
     it every backward. A write into the broadcast tensor would raise, not go astray: a weight
     with tensor hooks, which may write into the gradient they are handed, gets megatron's own
-    zeros. During capture megatron's own call runs (a graph replays fixed addresses), and under
-    anomaly mode, as for the view."""
-    if not is_fsdp_param(param) or fsdp_rules.has_tensor_hooks(param) or fsdp_rules.view_forbidden(param):
+    zeros, and so does a backward that hands the weight's gradient to its caller
+    (``torch.autograd.grad``), who may write into it. During capture megatron's own call runs (a
+    graph replays fixed addresses), and under anomaly mode, as for the view."""
+    if (not is_fsdp_param(param) or fsdp_rules.has_tensor_hooks(param) or fsdp_rules.view_forbidden(param)
+            or not fsdp_rules.accumulates_into_grad(param)):
         return None
     import torch
 

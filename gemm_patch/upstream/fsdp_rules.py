@@ -202,11 +202,22 @@ def fusion_on(layer: Any, param: Any) -> bool:
 
 def accumulator(param: Any) -> Any:
     """The autograd node that accumulates the leaf ``param``'s gradient into ``.grad``
-    (AccumulateGrad: the one a graph recorded now leads to), or None."""
+    (AccumulateGrad: the one a graph recorded now leads to), or None. Also inside a backward,
+    where grad mode is off."""
+    import torch
+
     try:  # torch.autograd.graph.get_gradient_edge (2.2+) does the same, slower
-        return param.view_as(param).grad_fn.next_functions[0][0]
+        with torch.enable_grad():
+            return param.view_as(param).grad_fn.next_functions[0][0]
     except (AttributeError, IndexError, RuntimeError):
         return None
+
+
+def accumulates_into_grad(param: Any) -> bool:
+    """Called in a backward: whether it accumulates ``param``'s gradient into ``.grad`` (and so
+    through Megatron-FSDP's hook), rather than capturing it for ``torch.autograd.grad`` or
+    leaving it out (``inputs=``)."""
+    return accumulates(accumulator(param))
 
 
 def accumulates(node: Any) -> bool:
@@ -454,11 +465,13 @@ def main_grad_alias(param: Any, shape: Any, dtype: Any) -> Any:
     because ``grad_added_to_main_grad`` is set. Only a write to ``param.grad`` could reach
     main_grad through the view, so it is given only where nothing writes there: a Megatron-FSDP
     parameter (``_gbuf``) that carries no mark of a second use, with no ``.grad`` pending from an
-    earlier use, without tensor hooks (``has_tensor_hooks``), outside CUDA-graph capture (where
-    megatron's own dummy keeps its fixed address), outside anomaly mode, over a contiguous
-    main_grad on the same device that holds at least as many bytes."""
+    earlier use, without tensor hooks (``has_tensor_hooks``), in a backward that accumulates into
+    ``.grad`` (``torch.autograd.grad`` would hand the view itself to the caller, who may write
+    into it), outside CUDA-graph capture (where megatron's own dummy keeps its fixed address),
+    outside anomaly mode, over a contiguous main_grad on the same device that holds at least as
+    many bytes."""
     attrs = getattr(param, "__dict__", {})
     if (attrs.get("_gbuf") is None or attrs.get("main_grad") is None or any(attrs.get(m) for m in SHARED_MARKS)
-            or has_tensor_hooks(param) or param.grad is not None):
+            or has_tensor_hooks(param) or param.grad is not None or not accumulates_into_grad(param)):
         return None
     return storage_view(param, shape, dtype)

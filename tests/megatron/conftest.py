@@ -69,6 +69,17 @@ def run_layer(main_dtype, tokens: int = 96, in_features: int = 64, out_features:
     return {"y": y.detach(), "dgrad": x.grad, "main_grad": buffer, "reference": reference}
 
 
+def asked_in_backward(param, ask):
+    """``ask()`` answered where fsdp-wgrad's stand-ins ask it: inside a backward that accumulates
+    into ``param.grad`` (some answers depend on it). ``param.grad`` is as it was, afterwards."""
+    grad, answer = param.grad, []
+    use = param * 1
+    use.register_hook(lambda g: answer.append(ask()))
+    use.float().sum().backward()
+    param.grad = grad
+    return answer[0]
+
+
 @pytest.fixture(scope="session", autouse=True)
 def frozen_imports():
     """What the imports built (torch, megatron: hundreds of thousands of objects), moved out of the

@@ -310,3 +310,38 @@ def test_unknown_apex_usage_is_not_provided_unless_allowed_and_refused_in_strict
         assert sum("apex-wgrad unverified" in line for line in out.stderr.splitlines()) == 1, out.stderr
     else:
         assert out.stdout.split()[-2:] == ["forced", "True"], out.stdout
+
+
+@needs_stand_in
+@pytest.mark.parametrize("kind", ["column", "row"])
+def test_revert_says_which_layers_built_under_the_stand_in_cannot_run_without_it(mp, patched, kind, caplog):
+    """A layer built with fusion on while gemm_patch stood in for apex (megatron would not have
+    built it) cannot run its backward once ``revert()`` takes the stand-in out: revert and status
+    say so, and how to go on; ``apply()`` again before the backward finishes the step a forward
+    recorded, exactly."""
+    layer = build(kind)
+    layer.weight.main_grad = torch.zeros(layer.weight.shape, dtype=torch.float32)
+    x = torch.randn(12, 3, layer.input_size, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    out = layer(x.requires_grad_())[0]
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    try:
+        gemm_patch.revert()
+        said = [r.getMessage() for r in caplog.records if "apex-wgrad: taken out" in r.getMessage()]
+        assert len(said) == 1 and f"1 {type(layer).__name__} built under it cannot run without it" in said[0], said
+        assert "NameError" in said[0] and "apply() again" in said[0]
+        st = apex_target()
+        assert st.state == "off" and "cannot run without it" in st.reason, st.reason
+        with pytest.raises(NameError, match=EXT):
+            out.backward(grad_out, retain_graph=True)  # what the words say: megatron's own backward
+        gemm_patch.apply()
+        out.backward(grad_out)
+        go = grad_out.reshape(-1, grad_out.shape[-1]).double()
+        exact = go.t() @ x.detach().reshape(-1, x.shape[-1]).double()
+        assert (layer.weight.main_grad.double() - exact).norm() / exact.norm() < 1e-2
+        assert "cannot run" not in apex_target().reason
+    finally:
+        gemm_patch.apply()
+    del layer, out
+    gemm_patch.revert()  # none left: nothing said, status as before
+    assert "cannot run" not in apex_target().reason
+    gemm_patch.apply()

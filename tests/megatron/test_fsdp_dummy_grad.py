@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import APPLICABLE, torch
+from conftest import APPLICABLE, asked_in_backward, layers, torch
 from test_fsdp_accumulate import backward_micro_batches, megatron_fsdp_param, rel
 from test_safety import run
 
@@ -87,21 +87,85 @@ def test_a_weight_marked_as_used_twice_gets_megatrons_dummy(patched, cpu_dummy, 
     assert rel(gbuf.data.view(weight.shape), sum(exact)) < 1e-6
 
 
+def alias_in_backward(param, shape, dtype):
+    from gemm_patch.upstream.fsdp_rules import main_grad_alias
+
+    return asked_in_backward(param, lambda: main_grad_alias(param, shape, dtype))
+
+
 def test_a_pending_grad_is_never_aliased(patched, cpu_dummy):
     """A ``.grad`` left from an earlier use would be added to in place by autograd: that add
     must not land in main_grad."""
     weight, gbuf = megatron_fsdp_param(40, 32, distributed=False)
     weight.grad = torch.zeros_like(weight)
     weight.main_grad = gbuf.data.view(weight.shape)
-    from gemm_patch.upstream.fsdp_rules import main_grad_alias
-
-    assert main_grad_alias(weight, list(weight.shape), torch.bfloat16) is None
+    assert alias_in_backward(weight, list(weight.shape), torch.bfloat16) is None
     weight.grad = None
-    assert main_grad_alias(weight, list(weight.shape), torch.bfloat16) is not None
-    assert main_grad_alias(weight, [41, 32], torch.float32) is None  # more bytes than main_grad
+    assert alias_in_backward(weight, list(weight.shape), torch.bfloat16) is not None
+    assert alias_in_backward(weight, [41, 32], torch.float32) is None  # more bytes than main_grad
     plain = torch.nn.Parameter(torch.zeros(4, 4, dtype=torch.bfloat16))
     plain.main_grad = torch.zeros(4, 4)
-    assert main_grad_alias(plain, [4, 4], torch.bfloat16) is None  # not Megatron-FSDP's
+    assert alias_in_backward(plain, [4, 4], torch.bfloat16) is None  # not Megatron-FSDP's
+
+
+def fused_autograd_grad(weight, seed: int = 3, tokens: int = 48):
+    """``torch.autograd.grad`` of one micro-batch through megatron's fused-wgrad function, the
+    weight among its inputs (a gradient penalty, a per-layer gradient tool); returns what it
+    hands back for the weight and the micro-batch's exact gradient."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, weight.shape[1], generator=gen).to(torch.bfloat16).requires_grad_()
+    y = layers.linear_with_grad_accumulation_and_async_allreduce(
+        x, weight, None, gradient_accumulation_fusion=True, allreduce_dgrad=False, sequence_parallel=False)
+    grad_out = torch.randn(y.shape, generator=gen).to(torch.bfloat16)
+    (returned,) = torch.autograd.grad(y, [weight], grad_out)
+    return returned, grad_out.double().t() @ x.detach().double()
+
+
+@pytest.mark.parametrize("zero_out", [False, True], ids=["view", "zeros"])
+@pytest.mark.parametrize("distributed", [False, True], ids=["persistent", "fresh-bucket"])
+def test_autograd_grad_of_the_weight_hands_back_megatrons_dummy(patched, cpu_dummy, distributed, zero_out):
+    """``torch.autograd.grad`` hands the weight's gradient to its caller: upstream hands megatron's
+    dummy (uninitialised, or zeros), which the caller may scale or clip in place. The view of
+    main_grad, or the broadcast zeros, must not be what it gets: a write into the one lands in
+    main_grad, into the other it raises. main_grad still gets the fused write, as upstream."""
+    weight, gbuf = megatron_fsdp_param(40, 32, distributed=distributed)
+    if zero_out:
+        weight.zero_out_wgrad = True
+    returned, exact = fused_autograd_grad(weight)
+    main = (gbuf.buckets[-1] if distributed else gbuf.data).view(weight.shape)
+    assert storage_of(returned) != storage_of(main), "autograd.grad handed back a view of main_grad"
+    assert returned.stride() == weight.stride(), f"not a dense tensor: strides {returned.stride()}"
+    written = main.clone()
+    returned.mul_(0.5)  # the caller's in-place use of what it was given
+    assert torch.equal(main, written), "a write into the returned gradient changed main_grad"
+    assert rel(main, exact) < 1e-6
+    if zero_out:
+        assert not returned.any(), "megatron's zeros dummy is zeros"
+    # The next micro-batch's ordinary backward gets the view again.
+    _, seen = run_with_fsdp_hook(weight, 1)
+    assert zero_out or seen == [storage_of(gbuf.buckets[-1] if distributed else gbuf.data)]
+
+
+@pytest.mark.parametrize("distributed", [False, True], ids=["persistent", "fresh-bucket"])
+def test_a_second_backward_through_a_retained_graph_writes_again(patched, cpu_dummy, distributed):
+    """``backward(retain_graph=True)`` then ``backward()``: each runs megatron's backward again and
+    writes the micro-batch's gradient once more: added into the persistent buffer, each into
+    its own fresh bucket; the input's gradient adds up as autograd's does."""
+    weight, gbuf = megatron_fsdp_param(40, 32, distributed=distributed)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(48, 32, generator=gen).to(torch.bfloat16).requires_grad_()
+    y = layers.linear_with_grad_accumulation_and_async_allreduce(
+        x, weight, None, gradient_accumulation_fusion=True, allreduce_dgrad=False, sequence_parallel=False)
+    grad_out = torch.randn(y.shape, generator=gen).to(torch.bfloat16)
+    exact = grad_out.double().t() @ x.detach().double()
+    y.backward(grad_out, retain_graph=True)
+    weight.grad, weight.grad_added_to_main_grad = None, False  # _grad_acc
+    y.backward(grad_out)
+    if distributed:
+        assert len(gbuf.buckets) == 2 and all(rel(b.view(weight.shape), exact) < 1e-6 for b in gbuf.buckets)
+    else:
+        assert rel(gbuf.data.view(weight.shape), 2 * exact) < 1e-6
+    assert rel(x.grad.double(), 2 * (grad_out.double() @ weight.detach().double())) < 1e-2
 
 
 def test_cuda_graph_capture_gets_megatrons_dummy(patched, cpu_dummy, monkeypatch):
@@ -119,13 +183,11 @@ def test_anomaly_mode_gets_megatrons_dummy():
     """Anomaly mode checks every returned gradient for NaN; main_grad's bits read as bf16 may
     be NaN, so the view is not given there. (Megatron's own dummy is uninitialised memory, so
     its backward can fail that check too: only the choice is tested.)"""
-    from gemm_patch.upstream.fsdp_rules import main_grad_alias
-
     weight, gbuf = megatron_fsdp_param(40, 32, distributed=False)
     weight.main_grad = gbuf.data.view(weight.shape)
-    assert main_grad_alias(weight, list(weight.shape), torch.bfloat16) is not None
+    assert alias_in_backward(weight, list(weight.shape), torch.bfloat16) is not None
     with torch.autograd.detect_anomaly(check_nan=True):
-        assert main_grad_alias(weight, list(weight.shape), torch.bfloat16) is None
+        assert alias_in_backward(weight, list(weight.shape), torch.bfloat16) is None
 
 
 def test_status_says_what_the_dummy_is(patched):

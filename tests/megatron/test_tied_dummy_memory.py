@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import test_shared_weights as tied_lm
-from conftest import APPLICABLE, torch
+from conftest import APPLICABLE, asked_in_backward, torch
 from test_shared_weights import (  # noqa: F401  (fixtures: fsdp, parallel, shared_on, cpu_dummy_wgrad)
     CASES,
     TOL,
@@ -177,15 +177,20 @@ def test_peak_and_held_memory_are_at_most_fusion_offs(parallel, shared_on, te_du
 
 def test_the_zeros_are_one_broadcast_element_of_the_weights_device():
     weight = torch.nn.Parameter(torch.zeros(6, 4, dtype=torch.bfloat16))
-    assert fsdp_wgrad.broadcast_zero(weight, [6, 4], torch.bfloat16) is None, "not a Megatron-FSDP parameter"
+
+    def ask():
+        return asked_in_backward(weight, lambda: fsdp_wgrad.broadcast_zero(weight, [6, 4], torch.bfloat16))
+
+    assert ask() is None, "not a Megatron-FSDP parameter"
     weight.__fsdp_param__ = True
-    zeros = fsdp_wgrad.broadcast_zero(weight, [6, 4], torch.bfloat16)
+    assert fsdp_wgrad.broadcast_zero(weight, [6, 4], torch.bfloat16) is None, "outside a backward into .grad"
+    zeros = ask()
     assert zeros.shape == (6, 4) and zeros.dtype == torch.bfloat16 and zeros.stride() == (0, 0)
     assert zeros.untyped_storage().nbytes() == 2 and torch.count_nonzero(zeros) == 0
     with pytest.raises(RuntimeError):
         zeros.add_(1)  # a write into it raises, it never lands anywhere
     with torch.autograd.detect_anomaly(check_nan=True):
-        assert fsdp_wgrad.broadcast_zero(weight, [6, 4], torch.bfloat16) is None
+        assert ask() is None
 
 
 def halving_hooks(monkeypatch) -> None:

@@ -28,7 +28,7 @@ def storage_of(tensor) -> int:
     return tensor.untyped_storage().data_ptr()
 
 
-def run_with_fsdp_hook(weight, n: int, seed: int = 1, tokens: int = 48):
+def run_with_fsdp_hook(weight, n: int, seed: int = 1, tokens: int = 48, micro_batches=backward_micro_batches):
     """n micro-batches through megatron's fused-wgrad function; returns each micro-batch's exact
     gradient and the storage each dummy ``.grad`` lived in when the hook saw it."""
     seen: list[int] = []
@@ -45,7 +45,7 @@ def run_with_fsdp_hook(weight, n: int, seed: int = 1, tokens: int = 48):
     handle = weight.register_post_accumulate_grad_hook(grad_acc)
     exact = []
     try:
-        for grad in backward_micro_batches(weight, n, tokens, seed):
+        for grad in micro_batches(weight, n, tokens, seed):
             exact.append(grad)
             assert weight.grad is None, "the hook did not drop the dummy"
     finally:
@@ -144,6 +144,29 @@ def test_autograd_grad_of_the_weight_hands_back_megatrons_dummy(patched, cpu_dum
     # The next micro-batch's ordinary backward gets the view again.
     _, seen = run_with_fsdp_hook(weight, 1)
     assert zero_out or seen == [storage_of(gbuf.buckets[-1] if distributed else gbuf.data)]
+
+
+def test_activation_recompute_keeps_the_view(patched, cpu_dummy):
+    """Under reentrant activation recompute (megatron's own ``CheckpointFunction`` is reentrant)
+    the fused backward runs in a backward nested in the step's: it accumulates into ``.grad``,
+    so the view is given there too, and the gradient is exact."""
+    weight, gbuf = megatron_fsdp_param(40, 32, distributed=False)
+
+    def recomputed(weight, n, tokens, seed):
+        gen = torch.Generator().manual_seed(seed)
+        for _ in range(n):
+            x = torch.randn(tokens, weight.shape[1], generator=gen).to(torch.bfloat16).requires_grad_()
+            y = torch.utils.checkpoint.checkpoint(
+                lambda x: layers.linear_with_grad_accumulation_and_async_allreduce(
+                    x, weight, None, gradient_accumulation_fusion=True, allreduce_dgrad=False,
+                    sequence_parallel=False), x, use_reentrant=True)
+            grad_out = torch.randn(y.shape, generator=gen).to(torch.bfloat16)
+            y.backward(grad_out)
+            yield grad_out.double().t() @ x.detach().double()
+
+    exact, seen = run_with_fsdp_hook(weight, 2, micro_batches=recomputed)
+    assert seen == [storage_of(gbuf.data)] * 2, "recompute got megatron's dummy, not the view"
+    assert rel(gbuf.data.view(weight.shape), sum(exact)) < 1e-6
 
 
 @pytest.mark.parametrize("distributed", [False, True], ids=["persistent", "fresh-bucket"])

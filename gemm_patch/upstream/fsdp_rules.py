@@ -121,6 +121,10 @@ class _Installs(dict):
 
 
 LOOKUP_WRITERS = _Installs()
+# Per parameter: the backward whose fused write, the latest, handed the weight's gradient back to
+# its caller instead of accumulating it (``torch.autograd.grad``, ``inputs=`` without the weight):
+# megatron's ``grad_added_to_main_grad`` stays set after it, with no ``_grad_acc`` to clear it.
+HANDED_BACK = ParamTable()
 # Parameters met by a fused write under hooks that are not the twin's (each reported once).
 MET_UNMANAGED = ParamTable()
 _graph_task = None  # torch._C._current_graph_task_id, bound on the first call (it imports torch)
@@ -216,22 +220,42 @@ def accumulator(param: Any) -> Any:
 _current_node = None  # torch._C._current_autograd_node, bound on the first call
 
 
-def accumulates_into_grad(param: Any) -> bool:
-    """Called in a backward: whether it accumulates ``param``'s gradient into ``.grad`` (and so
-    through Megatron-FSDP's hook), rather than capturing it for ``torch.autograd.grad`` or
-    leaving it out (``inputs=``). The accumulator is looked for first among the next nodes of
-    the node running now (megatron's fused linear takes the weight as an input), which costs a
-    fraction of making a view to reach it."""
+def accumulator_here(param: Any) -> Any:
+    """Called in a backward: ``param``'s AccumulateGrad node, looked for first among the next
+    nodes of the node running now (megatron's fused linear and the lookup writer take the weight
+    as an input), which costs a fraction of making a view to reach it."""
     global _current_node
     if _current_node is None:
         import torch
 
         _current_node = getattr(torch._C, "_current_autograd_node", None) or (lambda: None)
-    node = _current_node()
-    for next_node, _ in getattr(node, "next_functions", ()):
+    for next_node, _ in getattr(_current_node(), "next_functions", ()):
         if next_node is not None and getattr(next_node, "variable", None) is param:
-            return accumulates(next_node)
-    return accumulates(accumulator(param))
+            return next_node
+    return accumulator(param)
+
+
+def accumulates_into_grad(param: Any) -> bool:
+    """Called in a backward: whether it accumulates ``param``'s gradient into ``.grad`` (and so
+    through Megatron-FSDP's hook), rather than capturing it for ``torch.autograd.grad`` or
+    leaving it out (``inputs=``). False where this torch cannot tell."""
+    return accumulates(accumulator_here(param))
+
+
+def hands_gradient_back(param: Any) -> bool:
+    """Called in a backward: whether torch says it will not accumulate ``param``'s gradient into
+    ``.grad`` (``torch.autograd.grad`` captures it, or ``inputs=`` leaves it out). False where
+    it will, or where this torch cannot tell."""
+    import torch
+
+    will_execute = getattr(torch._C, "_will_engine_execute_node", None)
+    node = accumulator_here(param)
+    if node is None or will_execute is None:
+        return False
+    try:
+        return not will_execute(node)
+    except RuntimeError:  # a leaf's gradient captured by torch.autograd.grad: torch refuses to say
+        return True
 
 
 def accumulates(node: Any) -> bool:
@@ -360,8 +384,10 @@ def wgrad_accumulates(param: Any) -> bool:
     last one, so the first write of every backward must overwrite: a record of another graph
     task never matches. A write in a nested backward (reentrant activation checkpointing) has
     its own graph task and overwrites, as without the record. The flag still counts: where it is
-    set, megatron says the write of this backward is in, as before. On a torch without the
-    graph-task id only the flag counts."""
+    set, megatron says the write of this backward is in, as before, unless an earlier backward
+    that handed the weight's gradient back (``torch.autograd.grad``) left it set
+    (``flag_left_by_a_handed_back_write``). On a torch without the graph-task id only the flag
+    counts."""
     if param is None:
         return False
     attrs = getattr(param, "__dict__", {})
@@ -377,12 +403,29 @@ def wgrad_accumulates(param: Any) -> bool:
     written = written_in(param, backward)
     if backward is not None:
         WRITTEN.set(param, backward)
-    if main_grad_is_persistent(param) or attrs.get("grad_added_to_main_grad"):
+    if main_grad_is_persistent(param):
+        return True
+    flag = attrs.get("grad_added_to_main_grad") and not flag_left_by_a_handed_back_write(param, backward)
+    if backward is not None and backward >= 0:
+        if hands_gradient_back(param):
+            HANDED_BACK.set(param, backward)
+        else:
+            HANDED_BACK.pop(param)
+    if flag:
         return True
     if written and MANAGED.get(param) is None:
         _warn_unmanaged(param)
         return False
     return written
+
+
+def flag_left_by_a_handed_back_write(param: Any, backward: int | None) -> bool:
+    """Whether ``grad_added_to_main_grad`` was set by a fused write of an earlier backward that
+    handed the weight's gradient back (``torch.autograd.grad``, ``inputs=`` without it): no
+    ``_grad_acc`` ran after it to clear the flag, so it says nothing of this backward, and a
+    fresh bucket (unzeroed) must be written over, not added to."""
+    handed_back = HANDED_BACK.get(param)
+    return handed_back is not None and handed_back != backward
 
 
 def restore_written_flag(param: Any) -> None:

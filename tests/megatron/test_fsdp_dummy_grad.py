@@ -108,16 +108,22 @@ def test_a_pending_grad_is_never_aliased(patched, cpu_dummy):
     assert alias_in_backward(plain, [4, 4], torch.bfloat16) is None  # not Megatron-FSDP's
 
 
-def fused_autograd_grad(weight, seed: int = 3, tokens: int = 48):
-    """``torch.autograd.grad`` of one micro-batch through megatron's fused-wgrad function, the
-    weight among its inputs (a gradient penalty, a per-layer gradient tool); returns what it
-    hands back for the weight and the micro-batch's exact gradient."""
+def fused_handed_back(weight, how: str, seed: int = 3, tokens: int = 48):
+    """One micro-batch through megatron's fused-wgrad function whose backward hands the weight's
+    gradient back instead of accumulating it: ``torch.autograd.grad`` with the weight among its
+    inputs (a gradient penalty, a per-layer gradient tool), or ``backward(inputs=...)`` without
+    it. Returns what autograd handed back for the weight (None for ``inputs=``) and the
+    micro-batch's exact gradient."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, weight.shape[1], generator=gen).to(torch.bfloat16).requires_grad_()
     y = layers.linear_with_grad_accumulation_and_async_allreduce(
         x, weight, None, gradient_accumulation_fusion=True, allreduce_dgrad=False, sequence_parallel=False)
     grad_out = torch.randn(y.shape, generator=gen).to(torch.bfloat16)
-    (returned,) = torch.autograd.grad(y, [weight], grad_out)
+    returned = None
+    if how == "autograd.grad":
+        (returned,) = torch.autograd.grad(y, [weight], grad_out)
+    else:
+        y.backward(grad_out, inputs=[x])
     return returned, grad_out.double().t() @ x.detach().double()
 
 
@@ -131,7 +137,7 @@ def test_autograd_grad_of_the_weight_hands_back_megatrons_dummy(patched, cpu_dum
     weight, gbuf = megatron_fsdp_param(40, 32, distributed=distributed)
     if zero_out:
         weight.zero_out_wgrad = True
-    returned, exact = fused_autograd_grad(weight)
+    returned, exact = fused_handed_back(weight, "autograd.grad")
     main = (gbuf.buckets[-1] if distributed else gbuf.data).view(weight.shape)
     assert storage_of(returned) != storage_of(main), "autograd.grad handed back a view of main_grad"
     assert returned.stride() == weight.stride(), f"not a dense tensor: strides {returned.stride()}"
@@ -144,6 +150,25 @@ def test_autograd_grad_of_the_weight_hands_back_megatrons_dummy(patched, cpu_dum
     # The next micro-batch's ordinary backward gets the view again.
     _, seen = run_with_fsdp_hook(weight, 1)
     assert zero_out or seen == [storage_of(gbuf.buckets[-1] if distributed else gbuf.data)]
+
+
+@pytest.mark.parametrize("how", ["autograd.grad", "inputs="])
+@pytest.mark.parametrize("distributed", [False, True], ids=["persistent", "fresh-bucket"])
+def test_the_next_backward_after_a_handed_back_gradient_writes_its_own(patched, cpu_dummy, distributed, how):
+    """A backward that hands the weight's gradient back runs no ``_grad_acc``, so megatron's
+    ``grad_added_to_main_grad`` stays set after its fused write. The next micro-batch's fresh
+    bucket (unzeroed) must still be written over, not added to as if this backward had written
+    it already (NaN: the bucket's earlier bytes); the persistent buffer adds both, as it adds
+    every fused write of the step."""
+    weight, gbuf = megatron_fsdp_param(40, 32, distributed=distributed)
+    _, handed_back = fused_handed_back(weight, how)
+    assert weight.grad_added_to_main_grad and weight.grad is None
+    exact, _ = run_with_fsdp_hook(weight, 2)
+    if distributed:
+        for bucket, ref in zip(gbuf.buckets[1:], exact, strict=True):
+            assert rel(bucket.view(weight.shape), ref) < 1e-6
+    else:
+        assert rel(gbuf.data.view(weight.shape), handed_back + sum(exact)) < 1e-6
 
 
 def test_activation_recompute_keeps_the_view(patched, cpu_dummy):

@@ -42,4 +42,32 @@ def run(persistent: bool, micro_batches: int) -> dict:
             "bits": bit_fingerprint(main_grad)}
 
 
-print(json.dumps({"persistent": run(True, 4), "fresh": run(False, 1)}))
+def handed_back_then_fresh() -> dict:
+    """A fresh buffer: one micro-batch through ``torch.autograd.grad`` with the weight among its
+    inputs (no Megatron-FSDP hook runs, megatron's ``grad_added_to_main_grad`` stays set), then
+    the next micro-batch into a new, unzeroed bucket (NaN here), which must be written over."""
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    weight = torch.nn.Parameter(torch.randn(384, 256, device="cuda", generator=gen).to(torch.bfloat16))
+    main_grad = torch.full((384, 256), float("nan"), device="cuda")
+    weight.__fsdp_param__ = True
+    weight.grad_added_to_main_grad = False
+    weight._gbuf = SimpleNamespace(is_data_distributed=True)
+    weight.main_grad = main_grad
+    weight.get_main_grad = lambda: main_grad
+    for handed_back in (True, False):
+        x = torch.randn(512, 256, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_()
+        grad = torch.randn(512, 384, device="cuda", generator=gen).to(torch.bfloat16)
+        y = layers.linear_with_grad_accumulation_and_async_allreduce(
+            x, weight, None, gradient_accumulation_fusion=True, allreduce_dgrad=False, sequence_parallel=False)
+        if handed_back:
+            torch.autograd.grad(y, [weight], grad)
+            main_grad.fill_(float("nan"))  # the next micro-batch's bucket: fetched, not zeroed
+        else:
+            y.backward(grad)
+    expected = grad.double().t() @ x.detach().double()
+    torch.cuda.synchronize()
+    return {"rel_err": float((main_grad.double() - expected).norm() / expected.norm()),
+            "bits": bit_fingerprint(main_grad)}
+
+
+print(json.dumps({"persistent": run(True, 4), "fresh": run(False, 1), "handed_back": handed_back_then_fresh()}))

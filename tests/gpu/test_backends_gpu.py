@@ -159,7 +159,7 @@ def test_te_failure_hands_over_to_native_without_corrupting_training(caplog):
 def test_upstream_te_branch_accumulates_into_persistent_buffers():
     """megatron-core 0.19.2 with TE: its own te_general_gemm call overwrites, so a persistent
     buffer keeps only the last of 4 micro-batches; patched, the sum is right, and a fresh buffer
-    gets upstream's exact bits."""
+    gets upstream's exact bits, also right after a backward that handed the gradient back."""
     import os
     import subprocess
     import sys
@@ -182,3 +182,7 @@ def test_upstream_te_branch_accumulates_into_persistent_buffers():
     assert upstream["persistent"]["rel_err"] > 0.3  # the bug: earlier micro-batches dropped
     assert patched["persistent"]["rel_err"] < 1e-5
     assert patched["fresh"]["bits"] == upstream["fresh"]["bits"]
+    # After a backward that handed the weight's gradient back (torch.autograd.grad), the next
+    # fresh bucket is written over as upstream writes it, never added to (NaN).
+    assert patched["handed_back"]["bits"] == upstream["handed_back"]["bits"], patched["handed_back"]
+    assert patched["handed_back"]["rel_err"] < 1e-2

@@ -206,13 +206,10 @@ def fusion_on(layer: Any, param: Any) -> bool:
 
 def accumulator(param: Any) -> Any:
     """The autograd node that accumulates the leaf ``param``'s gradient into ``.grad``
-    (AccumulateGrad: the one a graph recorded now leads to), or None. Also inside a backward,
-    where grad mode is off."""
-    import torch
-
+    (AccumulateGrad: the one a graph recorded now leads to), or None (also where grad mode is
+    off: no graph is recorded)."""
     try:  # torch.autograd.graph.get_gradient_edge (2.2+) does the same, slower
-        with torch.enable_grad():
-            return param.view_as(param).grad_fn.next_functions[0][0]
+        return param.view_as(param).grad_fn.next_functions[0][0]
     except (AttributeError, IndexError, RuntimeError):
         return None
 
@@ -232,7 +229,10 @@ def accumulator_here(param: Any) -> Any:
     for next_node, _ in getattr(_current_node(), "next_functions", ()):
         if next_node is not None and getattr(next_node, "variable", None) is param:
             return next_node
-    return accumulator(param)
+    import torch
+
+    with torch.enable_grad():  # a backward runs with grad mode off
+        return accumulator(param)
 
 
 def accumulates_into_grad(param: Any) -> bool:

@@ -287,3 +287,33 @@ def test_a_weight_with_a_tensor_hook_gets_megatrons_dummy(patched, cpu_dummy, ze
     handle.remove()  # no hook left: the view again
     _, seen = run_with_fsdp_hook(weight, 1)
     assert zero_out or seen == [storage_of(gbuf.data)]
+
+
+@pytest.mark.parametrize("how", ["backward", "autograd.grad"])
+def test_the_accumulator_is_found_where_the_running_node_does_not_take_the_weight(how):
+    """``accumulates_into_grad`` asked from a node whose inputs do not include the weight (the
+    weight used elsewhere in the graph): it reaches the weight's accumulator another way and
+    answers as for a direct input."""
+    from gemm_patch.upstream.fsdp_rules import accumulates_into_grad, hands_gradient_back
+
+    weight = torch.nn.Parameter(torch.randn(4, 4))
+    x = torch.randn(4, 4, requires_grad=True)
+    answers = []
+
+    class Elsewhere(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            answers.append((accumulates_into_grad(weight), hands_gradient_back(weight)))
+            return grad * 2
+
+    loss = Elsewhere.apply(x).sum() + (weight * x).sum()
+    if how == "backward":
+        loss.backward()
+        assert answers == [(True, False)]
+    else:
+        torch.autograd.grad(loss, [x, weight])
+        assert answers == [(False, True)]

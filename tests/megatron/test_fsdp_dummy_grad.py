@@ -171,6 +171,26 @@ def test_the_next_backward_after_a_handed_back_gradient_writes_its_own(patched, 
         assert rel(gbuf.data.view(weight.shape), handed_back + sum(exact)) < 1e-6
 
 
+@pytest.mark.parametrize("distributed", [False, True], ids=["persistent", "fresh-bucket"])
+def test_a_backward_through_the_graph_autograd_grad_kept_writes_its_own(patched, cpu_dummy, distributed):
+    """The gradient-penalty pattern: ``torch.autograd.grad(..., retain_graph=True)``, then
+    ``backward()`` through the same graph, no forward (and so no unshard) in between. The
+    backward's fresh bucket gets its own gradient, written over; the persistent buffer both."""
+    weight, gbuf = megatron_fsdp_param(40, 32, distributed=distributed)
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(48, 32, generator=gen).to(torch.bfloat16).requires_grad_()
+    y = layers.linear_with_grad_accumulation_and_async_allreduce(
+        x, weight, None, gradient_accumulation_fusion=True, allreduce_dgrad=False, sequence_parallel=False)
+    grad_out = torch.randn(y.shape, generator=gen).to(torch.bfloat16)
+    exact = grad_out.double().t() @ x.detach().double()
+    torch.autograd.grad(y, [weight], grad_out, retain_graph=True)
+    y.backward(grad_out)
+    if distributed:
+        assert len(gbuf.buckets) == 2 and rel(gbuf.buckets[1].view(weight.shape), exact) < 1e-6
+    else:
+        assert rel(gbuf.data.view(weight.shape), 2 * exact) < 1e-6
+
+
 def test_activation_recompute_keeps_the_view(patched, cpu_dummy):
     """Under reentrant activation recompute (megatron's own ``CheckpointFunction`` is reentrant)
     the fused backward runs in a backward nested in the step's: it accumulates into ``.grad``,

@@ -246,29 +246,26 @@ def hands_gradient_back(param: Any) -> bool:
     """Called in a backward: whether torch says it will not accumulate ``param``'s gradient into
     ``.grad`` (``torch.autograd.grad`` captures it, or ``inputs=`` leaves it out). False where
     it will, or where this torch cannot tell."""
-    import torch
-
-    will_execute = getattr(torch._C, "_will_engine_execute_node", None)
-    node = accumulator_here(param)
-    if node is None or will_execute is None:
-        return False
-    try:
-        return not will_execute(node)
-    except RuntimeError:  # a leaf's gradient captured by torch.autograd.grad: torch refuses to say
-        return True
+    return runs_accumulator(accumulator_here(param)) is False
 
 
 def accumulates(node: Any) -> bool:
     """Called in a backward: whether it runs ``node``, a leaf's AccumulateGrad, so that the
     gradient goes into ``.grad`` and through the parameter's hooks. False where the backward
-    captures the leaf's gradient instead (``torch.autograd.grad`` with the leaf among its
-    inputs: torch refuses to answer for a captured leaf), leaves it out (``inputs=``), or
-    where this torch cannot tell."""
+    captures the leaf's gradient instead, leaves it out, or where this torch cannot tell."""
+    return runs_accumulator(node) is True
+
+
+def runs_accumulator(node: Any) -> bool | None:
+    """Called in a backward: True where it runs ``node``, a leaf's AccumulateGrad; False where it
+    captures the leaf's gradient instead (``torch.autograd.grad`` with the leaf among its inputs:
+    torch refuses to answer for a captured leaf) or leaves it out (``inputs=``); None where this
+    torch cannot tell."""
     import torch
 
     will_execute = getattr(torch._C, "_will_engine_execute_node", None)
     if node is None or will_execute is None:
-        return False
+        return None
     try:
         return bool(will_execute(node))
     except RuntimeError:

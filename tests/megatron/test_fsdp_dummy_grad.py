@@ -108,23 +108,30 @@ def test_a_pending_grad_is_never_aliased(patched, cpu_dummy):
     assert alias_in_backward(plain, [4, 4], torch.bfloat16) is None  # not Megatron-FSDP's
 
 
+def fused_forward(weight, seed: int, tokens: int = 48):
+    """One forward through megatron's fused-wgrad function: its input, output, a gradient for
+    the output, and the weight gradient that gradient makes (fp64)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, weight.shape[1], generator=gen).to(torch.bfloat16).requires_grad_()
+    y = layers.linear_with_grad_accumulation_and_async_allreduce(
+        x, weight, None, gradient_accumulation_fusion=True, allreduce_dgrad=False, sequence_parallel=False)
+    grad_out = torch.randn(y.shape, generator=gen).to(torch.bfloat16)
+    return x, y, grad_out, grad_out.double().t() @ x.detach().double()
+
+
 def fused_handed_back(weight, how: str, seed: int = 3, tokens: int = 48):
     """One micro-batch through megatron's fused-wgrad function whose backward hands the weight's
     gradient back instead of accumulating it: ``torch.autograd.grad`` with the weight among its
     inputs (a gradient penalty, a per-layer gradient tool), or ``backward(inputs=...)`` without
     it. Returns what autograd handed back for the weight (None for ``inputs=``) and the
     micro-batch's exact gradient."""
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, weight.shape[1], generator=gen).to(torch.bfloat16).requires_grad_()
-    y = layers.linear_with_grad_accumulation_and_async_allreduce(
-        x, weight, None, gradient_accumulation_fusion=True, allreduce_dgrad=False, sequence_parallel=False)
-    grad_out = torch.randn(y.shape, generator=gen).to(torch.bfloat16)
+    x, y, grad_out, exact = fused_forward(weight, seed, tokens)
     returned = None
     if how == "autograd.grad":
         (returned,) = torch.autograd.grad(y, [weight], grad_out)
     else:
         y.backward(grad_out, inputs=[x])
-    return returned, grad_out.double().t() @ x.detach().double()
+    return returned, exact
 
 
 @pytest.mark.parametrize("zero_out", [False, True], ids=["view", "zeros"])
@@ -177,12 +184,7 @@ def test_a_backward_through_the_graph_autograd_grad_kept_writes_its_own(patched,
     ``backward()`` through the same graph, no forward (and so no unshard) in between. The
     backward's fresh bucket gets its own gradient, written over; the persistent buffer both."""
     weight, gbuf = megatron_fsdp_param(40, 32, distributed=distributed)
-    gen = torch.Generator().manual_seed(9)
-    x = torch.randn(48, 32, generator=gen).to(torch.bfloat16).requires_grad_()
-    y = layers.linear_with_grad_accumulation_and_async_allreduce(
-        x, weight, None, gradient_accumulation_fusion=True, allreduce_dgrad=False, sequence_parallel=False)
-    grad_out = torch.randn(y.shape, generator=gen).to(torch.bfloat16)
-    exact = grad_out.double().t() @ x.detach().double()
+    _, y, grad_out, exact = fused_forward(weight, seed=9)
     torch.autograd.grad(y, [weight], grad_out, retain_graph=True)
     y.backward(grad_out)
     if distributed:
@@ -220,12 +222,7 @@ def test_a_second_backward_through_a_retained_graph_writes_again(patched, cpu_du
     writes the micro-batch's gradient once more: added into the persistent buffer, each into
     its own fresh bucket; the input's gradient adds up as autograd's does."""
     weight, gbuf = megatron_fsdp_param(40, 32, distributed=distributed)
-    gen = torch.Generator().manual_seed(5)
-    x = torch.randn(48, 32, generator=gen).to(torch.bfloat16).requires_grad_()
-    y = layers.linear_with_grad_accumulation_and_async_allreduce(
-        x, weight, None, gradient_accumulation_fusion=True, allreduce_dgrad=False, sequence_parallel=False)
-    grad_out = torch.randn(y.shape, generator=gen).to(torch.bfloat16)
-    exact = grad_out.double().t() @ x.detach().double()
+    x, y, grad_out, exact = fused_forward(weight, seed=5)
     y.backward(grad_out, retain_graph=True)
     weight.grad, weight.grad_added_to_main_grad = None, False  # _grad_acc
     y.backward(grad_out)

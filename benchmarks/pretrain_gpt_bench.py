@@ -52,7 +52,7 @@ once, the order turned by one each round (so no cell always runs first on a cold
 finished process appends one JSON record to ``--out`` at once (entry, release, size, hidden, vocab,
 tied, config, round, step_ms: the median of megatron's logged per-iteration times after the
 iteration-1 line, allocated_gib and max_allocated_gib of the last memory report, device: the
-GPU's name, gpu_clocks: the SM clock, power and temperature while the GPU was busy
+GPU's name, gpu_clocks: the SM clock, power and temperature while the GPU was busy, and how busy it was in the steps
 (benchmarks/gpu_clocks.py, its samples beside the log as NAME.gpu.csv), iterations, rc, error,
 command, ...), so a cut-off call keeps what finished; no process starts after
 ``--deadline`` seconds, and each has ``--proc-limit`` seconds. The GPU kit of
@@ -570,13 +570,23 @@ def fusion_saved_bytes(size: dict[str, int]) -> int:
     return micro * (4 * gemm_weight_params(size) + 12 * size["vocab"] * size["hidden"])
 
 
+def gpu_busy(records: list[dict[str, Any]]) -> str:
+    """The median over these runs of the GPU's mean utilization between the first and last logged
+    iteration (gpu_clocks' steps_utilization: the share of the steps' time a kernel ran; the rest the
+    GPU waited for the host), with the number of runs read; '-' where none was."""
+    busy = [r["gpu_clocks"]["steps_utilization"]["mean_percent"] for r in records
+            if isinstance(r.get("gpu_clocks"), dict) and r["gpu_clocks"].get("steps_utilization")]
+    return f"{statistics.median(busy):.0f} ({len(busy)})" if busy else "-"
+
+
 def shape_table(records: list[dict[str, Any]]) -> str:
     """Markdown: per named shape (release, embeddings, setting) and configuration, the medians over
     rounds of the steady step (steady_step_ms: a run's time over its iterations, which a median of
     iterations is not where the step drifts in phases) and its tokens per second (and the rounds'
     range: how far one round says anything), megatron's TFLOP/s per GPU and memory; gemm-patch's
-    tokens/s against fusion off, every fix off and bf16 main grads; and its gain over fusion off
-    beside the bound (fusion_saved_bytes over the GPU's bandwidth)."""
+    tokens/s against fusion off, every fix off and bf16 main grads; its gain over fusion off
+    beside the bound (fusion_saved_bytes over the GPU's bandwidth); and how busy the GPU was in the
+    steps (gpu_busy): a step the GPU waits through is the host's, which fusion does not shorten."""
     groups: dict[tuple, dict[str, list[dict[str, Any]]]] = {}
     for r in records:
         # A run recording the allocator's history is slowed by it: memory_peak.peak_table reads it.
@@ -587,8 +597,8 @@ def shape_table(records: list[dict[str, Any]]) -> str:
     rows = ["| shape, megatron-core, embeddings | setting | configuration | rounds | tokens/s per GPU (rounds' range) "
             f"| TFLOP/s per GPU | step ms (iterations {STEADY_FROM}-) | allocated / max allocated GiB "
             "| gemm-patch's tokens/s over this one's "
-            "| gain over fusion off: measured / bound (ms; % of step) |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+            "| gain over fusion off: measured / bound (ms; % of step) | GPU busy in the steps (%; runs) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     med = statistics.median
     for (shape, release, tied, where), configs in sorted(groups.items()):
         patched = configs.get("patched")
@@ -611,7 +621,7 @@ def shape_table(records: list[dict[str, Any]]) -> str:
             rows.append(f"| {shape}, {release}, {'tied' if tied else 'untied'} | {where} | {config} | {len(rs)} | "
                         f"{tokens:,.0f}{spread} | {f'{med(flops):.1f}' if flops else '-'} | {step:.1f} | {memory} | "
                         f"{ratio} | "
-                        f"{gain} |")
+                        f"{gain} | {gpu_busy(rs)} |")
     return "\n".join(rows) + "\n"
 
 

@@ -334,7 +334,7 @@ def test_the_gpu_clock_is_read_beside_each_process(upstream, monkeypatch, capsys
     assert code == 0 and clocks["busy_samples"] == clocks["samples"] - 1 >= 2  # the idle line is left out
     assert clocks["sm_mhz_min"] == 1410 and clocks["sm_mhz_rated_max"] == 1980 and clocks["power_w_max"] == 699.0
     assert clocks["power_limit_w"] == 700.0 and clocks["temperature_c_max"] == 66
-    assert [it for it, _, _ in clocks["by_iteration"]] == [5, 10]  # read against the process's log (lines 1, 5, 10)
+    assert [row[0] for row in clocks["by_iteration"]] == [5, 10]  # read against the process's log (lines 1, 5, 10)
     asked = (upstream / "smi_args").read_text()
     assert "--query-gpu=timestamp,utilization.gpu,clocks.sm," in asked and "-i 3 -lms 500" in asked
     assert "SM MHz=" in capsys.readouterr().out
@@ -359,9 +359,49 @@ def test_the_clock_beside_each_logged_iteration():
     samples = "\n".join(f"2026/12/07 17:00:0{s}.{ms}, 100, {mhz}, 1980, {w}, 700.00, 60" for s, ms, mhz, w in (
         (0, 500, 345, 70.0), (2, "000", 1980, 690.0), (2, 500, 1970, 700.0), (4, "000", 1410, 650.0)))
     # iteration 2 ran from 17:00:01 to :03 (two samples), iteration 3 from :03 to :05 (one); none before iteration 1
-    assert gpu_clocks.by_iteration(log, samples) == [[2, 1975.0, 695.0], [3, 1410.0, 650.0]]
-    assert gpu_clocks.by_iteration(log, "") == [[2, None, None], [3, None, None]]
+    assert gpu_clocks.by_iteration(log, samples) == [[2, 1975.0, 695.0, 100.0], [3, 1410.0, 650.0, 100.0]]
+    assert gpu_clocks.by_iteration(log, "") == [[2, None, None, None], [3, None, None, None]]
     assert gpu_clocks.by_iteration("no iteration line", samples) == []
+
+
+def test_how_busy_the_gpu_was_in_the_steps():
+    """steps_utilization reads the samples between the first and last logged iteration only, and
+    says a GPU that waits half of each step is half busy, where the clock's busy filter sees none of it."""
+    from benchmarks import gpu_clocks
+
+    log = "\n".join(f" [2026-12-07 17:00:0{s}.000000] iteration {it:8d}/      20 | elapsed time per iteration "
+                    "(ms): 1.0 |" for s, it in ((1, 1), (5, 2)))
+    def samples(busy: list[int]) -> str:  # start-up idle at :00.5, then 8 samples from :01.5, idle after at :06
+        rows = [(0, 500, 0)] + [(1 + i // 2, 500 if i % 2 == 0 else 999, u) for i, u in enumerate(busy)] + [(6, 0, 0)]
+        return "\n".join(f"2026/12/07 17:00:0{s}.{ms:03d}, {u}, 1980, 1980, 500.0, 700.00, 60" for s, ms, u in rows)
+
+    waiting = gpu_clocks.steps_utilization(log, samples([100, 0] * 4))
+    assert waiting == {"mean_percent": 50.0, "median_percent": 50.0, "samples": 8, "from_iteration": 1,
+                       "to_iteration": 2}
+    assert gpu_clocks.steps_utilization(log, samples([100] * 8))["mean_percent"] == 100.0
+    assert gpu_clocks.steps_utilization(log, "") is None
+    assert gpu_clocks.steps_utilization("no iteration line", samples([100] * 8)) is None
+    said = gpu_clocks.reading(log, samples([30] * 8))  # never busy enough for the clock's filter
+    assert said["busy_samples"] == 0 and said["steps_utilization"]["mean_percent"] == 30.0
+
+
+def test_records_read_again_from_their_kept_logs(tmp_path, capsys):
+    from benchmarks import gpu_clocks
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "a_r1.log").write_text(" [2026-12-07 17:00:01.000000] iteration        1/      20 |\n"
+                                   " [2026-12-07 17:00:03.000000] iteration        2/      20 |\n")
+    (logs / "a_r1.gpu.csv").write_text("2026/12/07 17:00:02.000, 40, 1980, 1980, 500.0, 700.00, 60\n")
+    records = tmp_path / "r.jsonl"
+    records.write_text(json.dumps({"log": "/tmp/L/a_r1.log", "gpu_clocks": None}) + "\n"
+                       + json.dumps({"log": "/tmp/L/b_r1.log", "gpu_clocks": None}) + "\n")
+    assert gpu_clocks.main(["--refresh", str(records), str(logs)]) == 0
+    first, second = (json.loads(line) for line in records.read_text().splitlines())
+    assert first["gpu_clocks"]["steps_utilization"]["mean_percent"] == 40.0 and second["gpu_clocks"] is None
+    assert "1 record(s) read again" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        gpu_clocks.main([str(logs / "a_r1.log")])
 
 
 def test_no_nvidia_smi_no_gpu_clock(upstream, monkeypatch):
@@ -454,6 +494,11 @@ def test_shape_table_ratios_and_the_bound():
     bound = bench.fusion_saved_bytes(bench.SIZES["llama3.2-1b"]) / 3.35e12 * 1000
     assert rows["patched"][9] == f"10.0 / {bound:.1f} ({100 * 10 / 690:.1f}% / {100 * bound / 690:.1f}%)"
     assert "memory history" in bench.setting(records[-1])
+    assert rows["patched"][10] == "-"  # no reading of the GPU's utilization
+    busy = [rec("patched", r, 690.0, gpu_clocks={"steps_utilization": {"mean_percent": u}})
+            for r, u in ((1, 48.0), (2, 60.0))]
+    busy_cells = [c.strip() for c in bench.shape_table([*busy, rec("patched", 3, 690.0)]).splitlines()[2].split("|")]
+    assert busy_cells[11] == "54 (2)"  # the median of the runs read, and how many
     spread = bench.shape_table([rec("patched", 1, 700.0), rec("patched", 2, 800.0), rec("patched", 3, 750.0),
                                 rec("fusion_off", 1, 760.0)])
     tokens = [line.split("|")[5].strip() for line in spread.splitlines()[2:]]

@@ -371,7 +371,7 @@ def record(cell: tuple[str, bool, str], rnd: int, size_name: str, iters: int, co
     if trace is not None:
         try:
             profile = profile_trace.analyse(profile_trace.load(trace))
-        except (OSError, ValueError, KeyError) as e:
+        except (OSError, EOFError, ValueError, KeyError) as e:  # EOFError: a trace cut off mid-write
             profile = {"error": f"{trace}: {e}"}
     size = SIZES[size_name]
     text = log_path.read_text(errors="replace")

@@ -38,7 +38,8 @@ SPEED = [ROOT / "benchmarks" / "results" / name for name in
           "pretrain_gpt_embedding_wgrad_h100.jsonl", "pretrain_gpt_untied_h100.jsonl",
           "pretrain_gpt_0.17.1_h100.jsonl", "pretrain_gpt_0.17.1_untied_h100.jsonl",
           "pretrain_gpt_optim_grads_h100.jsonl", "pretrain_gpt_lookup_writer_h100.jsonl",
-          "pretrain_gpt_lookup_writer_h200.jsonl", "pretrain_gpt_lookup_writer_profile_h100.jsonl")]
+          "pretrain_gpt_lookup_writer_h200.jsonl", "pretrain_gpt_lookup_writer_profile_h100.jsonl",
+          "pretrain_gpt_autograd_fixes_h100.jsonl")]
 SHAPES = sorted((ROOT / "benchmarks" / "results").glob("shapes_*.jsonl"))
 MEMORY = [*SHAPES, ROOT / "benchmarks" / "results" / "pretrain_gpt_memory_history_h100.jsonl"]
 MODEL = {"convergence": "dense", "seeds": "dense", "moe": "MoE"}

@@ -424,6 +424,20 @@ def test_a_profiled_record_is_not_resumed_nor_compared_with_an_unprofiled_one(up
     assert code == 0 and len(records) == 4  # both settings recorded: nothing runs again
 
 
+def test_a_trace_cut_off_mid_write_is_said_in_the_record(tmp_path):
+    """A process killed while the profiler writes its trace leaves a truncated .json.gz: the record
+    says so, and the run goes on to the next process."""
+    import gzip
+
+    trace = tmp_path / "rank-0.json.gz"
+    trace.write_bytes(gzip.compress(json.dumps({"traceEvents": []}).encode())[:-12])
+    log = tmp_path / "run.log"
+    log.write_text(LINE.format(it=1, ms=3000.0, tf=80.0) + "\n" + LINE.format(it=5, ms=700.0, tf=400.0) + "\n")
+    rec = bench.record(("0.19.2", True, "patched"), 1, "hidden4096", 10, ["python3", "pretrain_gpt.py"], {}, 124,
+                       115.0, log, trace=trace)
+    assert rec["rc"] == 124 and rec["profile"]["error"].startswith(f"{trace}: Compressed file ended")
+
+
 def test_patched_baseline_runs_the_other_trees_gemm_patch_and_only_where_named(upstream, capsys, monkeypatch):
     assert "patched_baseline" not in {c for _, _, c in bench.cells("0.19.2:tied:*")}
     with pytest.raises(SystemExit):

@@ -4,7 +4,7 @@
 gemm-patch's fixes switched off alone, bf16 main grads; one process at a time on one GPU.
 
     python -m benchmarks.pretrain_gpt_bench --out OUT/pretrain_gpt.jsonl [--plan core,untied] [--rounds 3]
-        [--size hidden4096|hidden2048] [--iters N] [--manual-gc N] [--cpus LIST] [--profile START:END]
+        [--size hidden4096|hidden2048] [--iters N] [--manual-gc N] [--gc-probe] [--cpus LIST] [--profile START:END]
         [--upstream DIR] [--kit /tmp/gp] [--dry]
     python -m benchmarks.pretrain_gpt_bench --summary OUT/pretrain_gpt.jsonl     # the table, from records
     python -m benchmarks.pretrain_gpt_bench --out OUT/pretrain_gpt.jsonl --plan core --rounds 3 --resume
@@ -27,6 +27,8 @@ is after the last iteration (allocated: what lives between steps; max allocated:
 a collection every N iterations, as Megatron-Bridge's recipes set with N = 100): a host-bound step
 then no longer carries the collector's pauses, which come at no fixed iteration. ``--cpus LIST``
 starts each process under ``taskset -c LIST`` (its threads and workers on those cores only).
+``--gc-probe`` runs pretrain_gpt.py under benchmarks/gc_probe.py: the record's ``gc_probe`` says how long
+Python's collector held the host in the timed steps (per step, by generation, per logged iteration).
 ``--strategy`` picks Megatron-FSDP's sharding strategy (default ``optim_grads_params``).
 ``--profile START:END`` runs megatron's own PyTorch profiler over iterations START to END - 1
 (``--profile --use-pytorch-profiler --pytorch-profiler-collect-callstack``) and adds to the record,
@@ -79,7 +81,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import gpu_clocks, memory_peak, profile_trace
+from benchmarks import gc_probe, gpu_clocks, memory_peak, profile_trace
 from gemm_patch.commands.compare import parse_log
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -247,7 +249,8 @@ def process(cell: tuple[str, bool, str], size: dict[str, int], iters: int, opts:
     release, tied, config = cell
     launcher = shlex.split(opts.launcher.format(python=opts.python))
     pin = ["taskset", "-c", opts.cpus] if opts.cpus else []
-    command = [*pin, opts.python, "-m", "gemm_patch", "run", "--", *launcher, "pretrain_gpt.py",
+    probe = ["-m", "benchmarks.gc_probe"] if opts.gc_probe else []
+    command = [*pin, opts.python, "-m", "gemm_patch", "run", "--", *launcher, *probe, "pretrain_gpt.py",
                *pretrain_args(release, size, tied, iters, opts.manual_gc, opts.log_interval, opts.strategy),
                *CONFIGS[config]["args"],
                *profile_args(opts.profile, profile_dir),
@@ -314,6 +317,25 @@ def clocks_said(clocks: dict[str, Any] | None) -> str:
     return (f" SM MHz={clocks['sm_mhz_median']:.0f} (min {clocks['sm_mhz_min']:.0f}"
             f" of {clocks['sm_mhz_rated_max']:.0f})"
             f" W={clocks['power_w_median']:.0f} (max {clocks['power_w_max']:.0f} of {clocks['power_limit_w']:.0f})")
+
+
+def collector_reading(log_text: str, probe_file: Path) -> dict[str, Any]:
+    """gc_probe's reading of a --gc-probe process; where there is none, why (always a non-empty dict:
+    the record says the probe ran)."""
+    if not probe_file.is_file():
+        return {"error": f"{probe_file}: not written (the process did not exit through Python)"}
+    read = gc_probe.reading(log_text, probe_file.read_text(errors="replace"))
+    return read or {"error": f"{probe_file}: no collections read between two logged iterations"}
+
+
+def collector_said(reading: dict[str, Any] | None) -> str:
+    """The progress line's part on Python's collector (--gc-probe), empty where the probe did not run."""
+    if not reading:
+        return ""
+    if "ms_per_step" not in reading:
+        return f" gc_probe={reading}"
+    return (f" collector ms/step={reading['ms_per_step']:.1f} (longest {reading['longest_ms']:.1f}, "
+            f"full collections {reading['by_generation']['2']['count']})")
 
 
 def logged_intervals(record: dict[str, Any]) -> list[tuple[int, float]]:
@@ -487,6 +509,7 @@ def setting(record: dict[str, Any]) -> str:
             + (f", {strategy}" if strategy != STRATEGIES[0] else "")
             + (", memory history" if record.get("memory_history") else "")
             + (", profiled" if record.get("profile") else "")
+            + (", gc probe" if record.get("gc_probe") else "")
             + (f", log every {interval}" if (interval := record.get("log_interval", LOG_INTERVAL)) != LOG_INTERVAL
                else "")
             + (f", {record['note']}" if record.get("note") else "") + (f", {device}" if device else ""))
@@ -579,6 +602,16 @@ def gpu_busy(records: list[dict[str, Any]]) -> str:
     return f"{statistics.median(busy):.0f} ({len(busy)})" if busy else "-"
 
 
+def collector_held(records: list[dict[str, Any]]) -> str:
+    """The median over these runs of the time Python's collector held the host per step (--gc-probe's
+    reading) and the longest single pause among them, with the number of runs read; '-' where none was."""
+    read = [r["gc_probe"] for r in records if isinstance(r.get("gc_probe"), dict) and "ms_per_step" in r["gc_probe"]]
+    if not read:
+        return "-"
+    return (f"{statistics.median(x['ms_per_step'] for x in read):.1f}; longest "
+            f"{max(x['longest_ms'] for x in read):.1f} ({len(read)})")
+
+
 def shape_table(records: list[dict[str, Any]]) -> str:
     """Markdown: per named shape (release, embeddings, setting) and configuration, the medians over
     rounds of the steady step (steady_step_ms: a run's time over its iterations, which a median of
@@ -586,7 +619,8 @@ def shape_table(records: list[dict[str, Any]]) -> str:
     range: how far one round says anything), megatron's TFLOP/s per GPU and memory; gemm-patch's
     tokens/s against fusion off, every fix off and bf16 main grads; its gain over fusion off
     beside the bound (fusion_saved_bytes over the GPU's bandwidth); and how busy the GPU was in the
-    steps (gpu_busy): a step the GPU waits through is the host's, which fusion does not shorten."""
+    steps (gpu_busy): a step the GPU waits through is the host's, which fusion does not shorten; and how long
+    Python's collector held the host per step where --gc-probe read it (collector_held)."""
     groups: dict[tuple, dict[str, list[dict[str, Any]]]] = {}
     for r in records:
         # A run recording the allocator's history is slowed by it: memory_peak.peak_table reads it.
@@ -597,8 +631,9 @@ def shape_table(records: list[dict[str, Any]]) -> str:
     rows = ["| shape, megatron-core, embeddings | setting | configuration | rounds | tokens/s per GPU (rounds' range) "
             f"| TFLOP/s per GPU | step ms (iterations {STEADY_FROM}-) | allocated / max allocated GiB "
             "| gemm-patch's tokens/s over this one's "
-            "| gain over fusion off: measured / bound (ms; % of step) | GPU busy in the steps (%; runs) |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "| gain over fusion off: measured / bound (ms; % of step) | GPU busy in the steps (%; runs) "
+            "| Python's collector in the steps (ms per step; longest pause ms; runs) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     med = statistics.median
     for (shape, release, tied, where), configs in sorted(groups.items()):
         patched = configs.get("patched")
@@ -621,7 +656,7 @@ def shape_table(records: list[dict[str, Any]]) -> str:
             rows.append(f"| {shape}, {release}, {'tied' if tied else 'untied'} | {where} | {config} | {len(rs)} | "
                         f"{tokens:,.0f}{spread} | {f'{med(flops):.1f}' if flops else '-'} | {step:.1f} | {memory} | "
                         f"{ratio} | "
-                        f"{gain} | {gpu_busy(rs)} |")
+                        f"{gain} | {gpu_busy(rs)} | {collector_held(rs)} |")
     return "\n".join(rows) + "\n"
 
 
@@ -651,7 +686,7 @@ def recorded_runs(records: list[dict[str, Any]], a: argparse.Namespace, iters: i
             if r["rc"] == 0 and r["step_ms"] is not None and r.get("size") == a.size
             and r.get("strategy", STRATEGIES[0]) == a.strategy and r.get("iterations") == iters
             and bool(r.get("memory_history")) == a.memory_history and r.get("note") == a.note
-            and bool(r.get("profile")) == bool(a.profile)
+            and bool(r.get("profile")) == bool(a.profile) and bool(r.get("gc_probe")) == a.gc_probe
             and r.get("manual_gc_interval") == a.manual_gc and r.get("cpus") == a.cpus
             and r.get("baseline_tree") == gemm_patch_tree(r["config"], a.baseline_tree)
             and r.get("log_interval", LOG_INTERVAL) == a.log_interval
@@ -681,6 +716,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--memory-history", action="store_true",
                    help="megatron's --record-memory-history: the record gets where the step's memory peak falls and "
                         "what is alive there (benchmarks/memory_peak.py); such processes are timed apart")
+    p.add_argument("--gc-probe", action="store_true",
+                   help="run pretrain_gpt.py under benchmarks/gc_probe.py: the record says how long Python's garbage "
+                        "collector held the host in the timed steps")
     p.add_argument("--keep-traces", action="store_true",
                    help="keep the profiler's traces and memory snapshots (tens of MB each)")
     p.add_argument("--upstream", default=str(ROOT / "validation" / "convergence" / "_upstream"),
@@ -740,6 +778,9 @@ def main(argv: list[str] | None = None) -> int:
         name = f"{a.size}{strategy}_{release}_{'tied' if tied else 'untied'}_{config}_r{rnd}"
         profile_dir = logs.resolve() / f"{name}_profile"  # the command runs in the release's folder
         command, config_env, cwd = process(cell, size, iters, a, profile_dir)
+        probe_file = (logs / f"{name}.gc.json").resolve()
+        if a.gc_probe:
+            config_env[gc_probe.ENV] = str(probe_file)
         tree = gemm_patch_tree(config, a.baseline_tree)
         shown = " ".join([f"cd {shlex.quote(str(cwd))} &&", *(f"{k}={v}" for k, v in config_env.items()),
                           shlex.join(command)]) + (f"  # gemm_patch from {tree}" if tree else "")
@@ -769,6 +810,8 @@ def main(argv: list[str] | None = None) -> int:
                      trace, a.cpus, device, a.strategy, snapshot, a.log_interval)
         rec["gpu_clocks"] = clocks.summary((logs / f"{name}.log").read_text(errors="replace"))
         rec["baseline_tree"] = tree
+        if a.gc_probe:
+            rec["gc_probe"] = collector_reading((logs / f"{name}.log").read_text(errors="replace"), probe_file)
         if a.note:
             rec["note"] = a.note
         for kept in (trace, snapshot):
@@ -782,6 +825,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"== {name}: rc={rc} {seconds:.0f} s step_ms={rec['step_ms']} tokens/s={rec['tokens_per_s']} "
               f"TFLOP/s={rec['tflops']} allocated={rec['allocated_gib']} "
               f"max_allocated={rec['max_allocated_gib']} GiB" + clocks_said(rec["gpu_clocks"])
+              + collector_said(rec.get("gc_probe"))
               + (f" error={rec['error']}" if rec["error"] else ""),
               flush=True)
     if done:

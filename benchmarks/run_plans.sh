@@ -20,7 +20,7 @@ set -uo pipefail
 OUT=${1:?usage: bash benchmarks/run_plans.sh OUT NAME [NAME ...]}
 shift
 [ $# -gt 0 ] || { echo "name one or more of: te-branch-tests gpu-tests autograd-fixes shapes-1b shapes-1b-0.17.1" \
-  "shapes-3b shapes-3b-untied shapes-3b-manual-gc profile-3b optim-grads-0.17.1-untied" >&2; exit 2; }
+  "shapes-3b shapes-3b-untied shapes-3b-manual-gc gc-probe-3b profile-3b optim-grads-0.17.1-untied" >&2; exit 2; }
 cd "$(dirname "$0")/.." || exit 1
 mkdir -p "$OUT"
 SEED=${SEED:-$OUT/seed}
@@ -84,6 +84,9 @@ for name in "$@"; do
         --plan alternatives-untied --rounds 3 ;;
     shapes-3b-manual-gc) bench "$name" "shapes_llama3.2-3b_$TAG.jsonl" 150 --size llama3.2-3b --manual-gc 100 \
         --plan "$LLAMA_PLAN" --rounds 3 ;;
+    # How long Python's collector holds the host in the 3B's steps, under the collector's default setting.
+    gc-probe-3b) bench "$name" "shapes_llama3.2-3b_$TAG.jsonl" 150 --size llama3.2-3b --gc-probe \
+        --plan "$LLAMA_PLAN" --rounds 1 ;;
     # The profiler's iterations and the trace's writing take a 3B process past two minutes.
     profile-3b) bench "$name" "pretrain_gpt_profile_3b_$TAG.jsonl" 240 --size llama3.2-3b --iters 14 \
         --profile 10:12 --plan "$LLAMA_PLAN" --rounds 1 ;;

@@ -543,3 +543,27 @@ def test_gemm_weights_of_a_llama_layer():
     assert bench.gemm_weight_params(size) == 16 * (2048 * (2048 + 2 * 512) + 2048 * 2048 + 2 * 2048 * 8192
                                                    + 8192 * 2048) + 128256 * 2048
     assert 1.23e9 < bench.gemm_weight_params(size) < 1.24e9
+
+
+def test_the_collector_probe_runs_pretrain_gpt_and_is_kept_apart(upstream, capsys):
+    code, (probed,) = run_bench(upstream, "0.19.2:tied:patched", "--gc-probe")
+    assert code == 0
+    assert "-m benchmarks.gc_probe pretrain_gpt.py" in probed["command"]
+    assert probed["env"]["BENCH_GC_PROBE"].endswith("hidden4096_0.19.2_tied_patched_r1.gc.json")
+    reading = probed["gc_probe"]
+    assert reading["from_iteration"] == 1 and reading["to_iteration"] == 10  # read against the process's log
+    assert "collector ms/step=" in capsys.readouterr().out and "gc probe" in bench.setting(probed)
+    code, records = run_bench(upstream, "0.19.2:tied:patched", "--resume")
+    assert code == 0 and len(records) == 2 and "gc_probe" not in records[1]  # a probed run is not this one
+    lost = bench.collector_reading("", upstream / "absent.gc.json")
+    assert "not written" in lost["error"] and "gc probe" in bench.setting({"gc_probe": lost})
+
+
+def test_the_shape_table_says_how_long_the_collector_held_the_host():
+    probed = [rec("patched", r, 690.0, gc_probe={"ms_per_step": ms, "longest_ms": longest})
+              for r, ms, longest in ((1, 40.0, 120.0), (2, 60.0, 300.0))]
+    unread = rec("patched", 3, 690.0, gc_probe={"error": "not written"})  # counted out, not as zero
+    cells = [c.strip() for c in bench.shape_table([*probed, unread]).splitlines()[2].split("|")]
+    assert cells[4] == "3" and cells[12] == "50.0; longest 300.0 (2)"
+    plain = [c.strip() for c in bench.shape_table([rec("patched", 1, 690.0)]).splitlines()[2].split("|")]
+    assert plain[12] == "-"

@@ -27,11 +27,12 @@ def run(tmp_path: Path, *names: str, gpu: str = "NVIDIA H100 80GB HBM3", **env: 
 
 @pytest.mark.skipif(shutil.which("md5sum") is None, reason="needs coreutils' md5sum")
 def test_each_name_runs_its_plan_from_its_records(tmp_path):
-    done = run(tmp_path, "shapes-3b-untied", "profile-3b")
+    done = run(tmp_path, "shapes-3b-untied", "profile-3b", "gc-probe-3b")
     log = (tmp_path / "out" / "run_plans.log").read_text()
     assert done.returncode == 0, done.stderr + log
     assert "# llama3.2-3b_0.19.2_untied_bf16_grads_r3" in log  # the untied alternatives, 3 rounds
     assert "# llama3.2-3b_0.19.2_tied_patched_r1" in log and "--profile" in log
+    assert "-m benchmarks.gc_probe pretrain_gpt.py" in log  # the collector's probe around the 3B's processes
     # a dry run changes no records file: none is left in OUT
     assert not list((tmp_path / "out").glob("*.jsonl"))
 

@@ -33,7 +33,8 @@ Python's collector held the host in the timed steps (per step, by generation, pe
 ``--profile START:END`` runs megatron's own PyTorch profiler over iterations START to END - 1
 (``--profile --use-pytorch-profiler --pytorch-profiler-collect-callstack``) and adds to the record,
 as ``profile``, what benchmarks/profile_trace.py reads from the trace: per step the host's wall
-time, the GPU's busy time, kernel time by kind, and the time in gemm_patch's own Python frames.
+time, the GPU's busy time, kernel time by kind, and the time in gemm_patch's own Python frames
+(``--no-profile-stacks``: without Python's call stacks, and so without those frames; a smaller trace).
 Those are sums of durations, which the host's drift does not move (``--keep-traces`` keeps the trace).
 
 Configurations (``config`` in the records): ``fusion_off`` (``--no-gradient-accumulation-fusion``,
@@ -233,12 +234,12 @@ def step_range(text: str) -> tuple[int, int]:
     return int(parts[0]), int(parts[1])
 
 
-def profile_args(steps: tuple[int, int] | None, folder: Path) -> list[str]:
-    """megatron's PyTorch profiler over iterations START..END-1; it writes
-    FOLDER/torch_profile/rank-0.json.gz (the parent of its --tensorboard-dir)."""
+def profile_args(steps: tuple[int, int] | None, folder: Path, stacks: bool = True) -> list[str]:
+    """megatron's PyTorch profiler over iterations START..END-1, with Python's call stacks where STACKS;
+    it writes FOLDER/torch_profile/rank-0.json.gz (the parent of its --tensorboard-dir)."""
     if not steps:
         return []
-    return ["--profile", "--use-pytorch-profiler", "--pytorch-profiler-collect-callstack",
+    return ["--profile", "--use-pytorch-profiler", *(["--pytorch-profiler-collect-callstack"] if stacks else []),
             "--profile-step-start", str(steps[0]), "--profile-step-end", str(steps[1]),
             "--tensorboard-dir", str(folder / "tb")]
 
@@ -253,7 +254,7 @@ def process(cell: tuple[str, bool, str], size: dict[str, int], iters: int, opts:
     command = [*pin, opts.python, "-m", "gemm_patch", "run", "--", *launcher, *probe, "pretrain_gpt.py",
                *pretrain_args(release, size, tied, iters, opts.manual_gc, opts.log_interval, opts.strategy),
                *CONFIGS[config]["args"],
-               *profile_args(opts.profile, profile_dir),
+               *profile_args(opts.profile, profile_dir, opts.profile_stacks),
                *(["--record-memory-history", "--memory-snapshot-path", str(profile_dir / SNAPSHOT)]
                  if opts.memory_history else [])]
     return command, dict(CONFIGS[config]["env"]), Path(opts.upstream) / release
@@ -509,6 +510,7 @@ def setting(record: dict[str, Any]) -> str:
             + (f", {strategy}" if strategy != STRATEGIES[0] else "")
             + (", memory history" if record.get("memory_history") else "")
             + (", profiled" if record.get("profile") else "")
+            + (" without call stacks" if record.get("profile") and record.get("profile_stacks") is False else "")
             + (", gc probe" if record.get("gc_probe") else "")
             + (f", log every {interval}" if (interval := record.get("log_interval", LOG_INTERVAL)) != LOG_INTERVAL
                else "")
@@ -687,6 +689,7 @@ def recorded_runs(records: list[dict[str, Any]], a: argparse.Namespace, iters: i
             and r.get("strategy", STRATEGIES[0]) == a.strategy and r.get("iterations") == iters
             and bool(r.get("memory_history")) == a.memory_history and r.get("note") == a.note
             and bool(r.get("profile")) == bool(a.profile) and bool(r.get("gc_probe")) == a.gc_probe
+            and (not a.profile or r.get("profile_stacks", True) == a.profile_stacks)
             and r.get("manual_gc_interval") == a.manual_gc and r.get("cpus") == a.cpus
             and r.get("baseline_tree") == gemm_patch_tree(r["config"], a.baseline_tree)
             and r.get("log_interval", LOG_INTERVAL) == a.log_interval
@@ -713,6 +716,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpus", metavar="LIST", help="run each process under taskset -c LIST (e.g. 0-7)")
     p.add_argument("--profile", type=step_range, metavar="START:END", help="megatron's PyTorch profiler over "
                    "iterations START..END-1; the record gets benchmarks/profile_trace.py's reading of the trace")
+    p.add_argument("--profile-stacks", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --profile: Python's call stacks in the trace (megatron's "
+                        "--pytorch-profiler-collect-callstack; the default); --no-profile-stacks: kernels, host ops "
+                        "and the GPU's idle time only, a trace a deep model writes in time")
     p.add_argument("--memory-history", action="store_true",
                    help="megatron's --record-memory-history: the record gets where the step's memory peak falls and "
                         "what is alive there (benchmarks/memory_peak.py); such processes are timed apart")
@@ -756,6 +763,8 @@ def main(argv: list[str] | None = None) -> int:
     if iters % a.log_interval:
         p.error(f"--iters {iters}: must be a multiple of --log-interval {a.log_interval} (megatron requires "
                 "--log-memory-interval to be a multiple of --log-interval)")
+    if not a.profile_stacks and not a.profile:
+        p.error("--no-profile-stacks: only with --profile START:END")
     if a.profile and a.profile[1] > iters:
         p.error(f"--profile {a.profile[0]}:{a.profile[1]}: END must be at most --iters ({iters})")
     runs = schedule(cells(a.plan), a.rounds, a.first_round)
@@ -810,6 +819,8 @@ def main(argv: list[str] | None = None) -> int:
                      trace, a.cpus, device, a.strategy, snapshot, a.log_interval)
         rec["gpu_clocks"] = clocks.summary((logs / f"{name}.log").read_text(errors="replace"))
         rec["baseline_tree"] = tree
+        if a.profile:
+            rec["profile_stacks"] = a.profile_stacks
         if a.gc_probe:
             rec["gc_probe"] = collector_reading((logs / f"{name}.log").read_text(errors="replace"), probe_file)
         if a.note:

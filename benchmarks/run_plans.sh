@@ -87,9 +87,11 @@ for name in "$@"; do
     # How long Python's collector holds the host in the 3B's steps, under the collector's default setting.
     gc-probe-3b) bench "$name" "shapes_llama3.2-3b_$TAG.jsonl" 150 --size llama3.2-3b --gc-probe \
         --plan "$LLAMA_PLAN" --rounds 1 ;;
-    # The profiler's iterations and the trace's writing take a 3B process past two minutes.
+    # The profiler's iterations and the trace's writing take a 3B process past two minutes. With Python's call
+    # stacks the 3B's trace was still being written when a process's time ran out: without them it reads the GPU's
+    # work and idle time per step.
     profile-3b) bench "$name" "pretrain_gpt_profile_3b_$TAG.jsonl" 240 --size llama3.2-3b --iters 14 \
-        --profile 10:12 --plan "$LLAMA_PLAN" --rounds 1 ;;
+        --profile 10:12 --no-profile-stacks --plan "$LLAMA_PLAN" --rounds 1 ;;
     optim-grads-0.17.1-untied) bench "$name" "pretrain_gpt_optim_grads_$TAG.jsonl" 150 --strategy optim_grads \
         --rounds 3 --iters 20 --plan 0.17.1:untied:fusion_off,0.17.1:untied:patched,0.17.1:untied:fixes_off ;;
     *) say "unknown plan name: $name"; exit 2 ;;

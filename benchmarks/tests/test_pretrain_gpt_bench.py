@@ -567,3 +567,26 @@ def test_the_shape_table_says_how_long_the_collector_held_the_host():
     assert cells[4] == "3" and cells[12] == "50.0; longest 300.0 (2)"
     plain = [c.strip() for c in bench.shape_table([rec("patched", 1, 690.0)]).splitlines()[2].split("|")]
     assert plain[12] == "-"
+
+
+def test_a_profile_without_call_stacks_is_asked_for_and_kept_apart(upstream, capsys):
+    assert bench.main(["--dry", "--plan", "0.19.2:tied:patched", "--rounds", "1", "--iters", "15", "--profile", "10:12",
+                       "--no-profile-stacks"]) == 0
+    bare = capsys.readouterr().out
+    assert "--profile --use-pytorch-profiler --profile-step-start 10 --profile-step-end 12" in bare
+    assert bench.main(["--dry", "--plan", "0.19.2:tied:patched", "--rounds", "1", "--iters", "15",
+                       "--profile", "10:12"]) == 0
+    stacks = capsys.readouterr().out
+    assert "--use-pytorch-profiler --pytorch-profiler-collect-callstack --profile-step-start 10" in stacks
+    with pytest.raises(SystemExit):
+        bench.main(["--dry", "--plan", "core", "--no-profile-stacks"])
+    assert "--no-profile-stacks: only with --profile START:END" in capsys.readouterr().err
+    profiled = {"profile": {"steps": 2}, "profile_stacks": False}
+    assert ", profiled without call stacks" in bench.setting(profiled)
+    assert "without" not in bench.setting({**profiled, "profile_stacks": True})
+    code, records = run_bench(upstream, "0.19.2:tied:patched")
+    out = upstream / "records.jsonl"
+    out.write_text(json.dumps({**records[0], **profiled}) + "\n")
+    # with call stacks (the default) the record without them is not this run's
+    code, records = run_bench(upstream, "0.19.2:tied:patched", "--resume", "--profile", "5:7")
+    assert len(records) == 2 and records[1]["profile_stacks"] is True

@@ -5,6 +5,9 @@ collector held the host (a host-bound step waits for it: the GPU has nothing que
     python -m benchmarks.gc_probe SCRIPT [ARGS...]     # runs SCRIPT as __main__, as `python SCRIPT` would
     torchrun ... -m benchmarks.gc_probe pretrain_gpt.py ARGS...
 
+run from SCRIPT's folder: ``-m`` puts the working directory first on the path, where ``python SCRIPT`` puts
+SCRIPT's folder, so its imports resolve as they would.
+
 ``BENCH_GC_PROBE=PATH`` names the JSON file the process writes as it exits (unset: SCRIPT only runs).
 Only the process that started the probe writes it (a forked data-loader worker does not).
 ``reading(log_text, probe_text)`` is what benchmarks/pretrain_gpt_bench.py records as ``gc_probe``.
@@ -70,10 +73,13 @@ def main(argv: list[str] | None = None) -> int:
     if not os.path.isfile(script):
         print(f"benchmarks.gc_probe: {script!r} is not a file: expected the script to run", file=sys.stderr)
         return 2
+    if os.path.dirname(os.path.abspath(script)) != os.getcwd():
+        print(f"benchmarks.gc_probe: run it from {script!r}'s folder, whose modules the script imports "
+              f"(the working directory is {os.getcwd()!r})", file=sys.stderr)
+        return 2
     if os.environ.get(ENV):
         install(os.environ[ENV])
     sys.argv = list(args)
-    sys.path[0] = os.path.dirname(os.path.abspath(script))
     runpy.run_path(script, run_name="__main__")
     return 0
 

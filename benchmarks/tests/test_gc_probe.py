@@ -77,6 +77,10 @@ def test_bad_invocations_say_what_is_expected(tmp_path):
     missing = subprocess.run([sys.executable, "-m", "benchmarks.gc_probe", str(tmp_path / "nope.py")], env=env,
                              capture_output=True, text=True)
     assert missing.returncode == 2 and "is not a file: expected the script to run" in missing.stderr
+    (tmp_path / "train.py").write_text("")
+    elsewhere = subprocess.run([sys.executable, "-m", "benchmarks.gc_probe", str(tmp_path / "train.py")], env=env,
+                               capture_output=True, text=True, cwd=ROOT)
+    assert elsewhere.returncode == 2 and "run it from" in elsewhere.stderr
 
 
 def test_no_reading_without_two_iteration_lines_or_a_probe_file():

@@ -26,7 +26,7 @@ import sys
 import time
 from typing import Any
 
-from benchmarks.gpu_clocks import iteration_ends
+from benchmarks.gpu_clocks import between, iteration_ends
 
 ENV = "BENCH_GC_PROBE"
 
@@ -96,22 +96,20 @@ def reading(log_text: str, probe_text: str) -> dict[str, Any] | None:
         return None
     if len(ends) < 2:
         return None
-    when = [(datetime.datetime.fromtimestamp(r[0]), r) for r in rows]
-
-    def inside(start: datetime.datetime, end: datetime.datetime) -> list[list[float]]:
-        return [r for t, r in when if start < t <= end]
-
-    steps = inside(ends[0][1], ends[-1][1])
+    # gpu_clocks' windows (after one logged iteration line, up to the next) over rows with a "time"
+    collections = [{"time": datetime.datetime.fromtimestamp(start), "ms": ms, "generation": generation}
+                   for start, ms, generation, _ in rows]
+    steps = between(collections, ends[0][1], ends[-1][1])
     iterations = ends[-1][0] - ends[0][0]
-    by_generation = {str(g): {"count": sum(1 for r in steps if r[2] == g),
-                              "ms": round(sum(r[1] for r in steps if r[2] == g), 3)} for g in (0, 1, 2)}
+    by_generation = {str(g): {"count": sum(1 for c in steps if c["generation"] == g),
+                              "ms": round(sum(c["ms"] for c in steps if c["generation"] == g), 3)} for g in (0, 1, 2)}
     per_interval = []
     for (_, start), (iteration, end) in itertools.pairwise(ends):
-        rs = inside(start, end)
-        per_interval.append([iteration, round(sum(r[1] for r in rs), 3), sum(1 for r in rs if r[2] == 2)])
-    total = sum(r[1] for r in steps)
+        cs = between(collections, start, end)
+        per_interval.append([iteration, round(sum(c["ms"] for c in cs), 3), sum(1 for c in cs if c["generation"] == 2)])
+    total = sum(c["ms"] for c in steps)
     return {"ms": round(total, 3), "ms_per_step": round(total / iterations, 3) if iterations else None,
-            "longest_ms": round(max((r[1] for r in steps), default=0.0), 3), "by_generation": by_generation,
+            "longest_ms": round(max((c["ms"] for c in steps), default=0.0), 3), "by_generation": by_generation,
             "by_iteration": per_interval, "from_iteration": ends[0][0], "to_iteration": ends[-1][0],
             "collections_in_process": len(rows)}
 

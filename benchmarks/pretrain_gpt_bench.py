@@ -817,12 +817,13 @@ def main(argv: list[str] | None = None) -> int:
         snapshot = profile_dir / SNAPSHOT if a.memory_history else None
         rec = record(cell, rnd, a.size, iters, command, config_env, rc, seconds, logs / f"{name}.log", a.manual_gc,
                      trace, a.cpus, device, a.strategy, snapshot, a.log_interval)
-        rec["gpu_clocks"] = clocks.summary((logs / f"{name}.log").read_text(errors="replace"))
+        log_text = (logs / f"{name}.log").read_text(errors="replace")
+        rec["gpu_clocks"] = clocks.summary(log_text)
         rec["baseline_tree"] = tree
         if a.profile:
             rec["profile_stacks"] = a.profile_stacks
         if a.gc_probe:
-            rec["gc_probe"] = collector_reading((logs / f"{name}.log").read_text(errors="replace"), probe_file)
+            rec["gc_probe"] = collector_reading(log_text, probe_file)
         if a.note:
             rec["note"] = a.note
         for kept in (trace, snapshot):
